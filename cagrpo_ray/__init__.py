@@ -1,0 +1,1 @@
+"""cagrpo_ray: RLVR with CA-GRPO on Ray, vLLM and DeepSpeed."""
