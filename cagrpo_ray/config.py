@@ -1,0 +1,315 @@
+"""The typed configuration: one tree, one place for defaults, loaded from YAML.
+
+Every field has a default and a one-line description. Unknown keys are rejected, and a wrong
+key or value fails before anything starts, with the dotted path of the key, what was given and
+what is allowed:
+
+    algorithm.policy_loss: 'cagrpo2' is not one of grpo, cagrpo, clip_cov, kl_cov
+
+YAML files in `configs/` hold only what differs from these defaults. Command-line overrides
+use dotted paths: `--set algorithm.lr=1e-6 --set rollout.group_size=8`.
+
+Print the resolved tree with `python -m cagrpo_ray.config --config configs/cpu-tiny.yaml`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(Section):
+    name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
+    output_dir: str = Field("runs", description="Folder for checkpoints, metrics and plots.")
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: generate, score, train, sync in turn; async: overlap them."
+    )
+    seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
+    steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
+    checkpoint_every: int = Field(10, ge=0, description="Checkpoint every K steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints to keep.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every K steps (0: only before and after).")
+    wait_warn_s: float = Field(
+        60.0, gt=0, description="A wait longer than this (seconds) is logged with what it waits for."
+    )
+    ray_num_cpus: float | None = Field(
+        None, description="CPUs for a local Ray cluster started by the run (None: all)."
+    )
+
+
+class ModelConfig(Section):
+    path: str | None = Field(
+        None,
+        description="HF causal LM (local dir or hub name); None builds or reuses the small "
+        "local policy described by `builtin`.",
+    )
+    builtin_task: str = Field(
+        "chain_sum", description="Task the built-in small policy is warm-started on."
+    )
+    builtin_sft_steps: int | None = Field(
+        None, description="SFT steps for the built-in policy (None: its default budget)."
+    )
+    builtin_seed: int = Field(0, description="Seed of the built-in policy's build.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Parameter dtype of learner and generators."
+    )
+
+
+class DataConfig(Section):
+    source: Literal["reasoning_gym", "file"] = Field(
+        "reasoning_gym", description="Where prompts come from."
+    )
+    dataset: str = Field("chain_sum", description="reasoning_gym dataset name.")
+    dataset_config: dict[str, Any] = Field(
+        default_factory=dict, description="reasoning_gym dataset options (e.g. min_terms)."
+    )
+    train_seed: int = Field(1_000_000, description="Seed of the training prompts.")
+    train_size: int = Field(100_000, ge=1, description="Number of distinct training prompts.")
+    eval_seed: int = Field(9_000_000, description="Seed of held-out prompts (far from train).")
+    eval_size: int = Field(200, ge=1, description="Number of held-out evaluation prompts.")
+    path: str | None = Field(None, description="Parquet or JSONL file when source is 'file'.")
+    eval_path: str | None = Field(None, description="Held-out file when source is 'file'.")
+    question_column: str = Field("problem", description="Column holding the problem text.")
+    answer_column: str = Field("answer", description="Column holding the reference answer.")
+    on_bad_row: Literal["skip", "error"] = Field(
+        "skip", description="What a malformed data row does: skipped (and counted) or an error."
+    )
+    instruction: str | None = Field(
+        None, description="Instruction put before each problem (None: the template's default)."
+    )
+
+
+class RolloutConfig(Section):
+    engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine.")
+    num_generators: int = Field(2, ge=1, description="Generator replicas (Ray actors).")
+    num_cpus_per_generator: float = Field(0.5, gt=0, description="Ray CPUs per generator.")
+    num_gpus_per_generator: float = Field(0.0, ge=0, description="Ray GPUs per generator.")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per replica.")
+    prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
+    group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
+    max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV-cache size in GiB.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)."
+    )
+    chunk_prompts: int = Field(
+        4, ge=1, description="Prompts per generation request; small chunks balance replicas."
+    )
+
+
+class RewardConfig(Section):
+    weights: dict[str, float] = Field(
+        default_factory=lambda: {"reasoning_gym": 1.0, "format": 0.1},
+        description="Verifier name -> weight of its score in the reward.",
+    )
+    timeout_s: float = Field(5.0, gt=0, description="Per-call verifier timeout (seconds).")
+    num_workers: int = Field(1, ge=1, description="Verifier worker processes.")
+    num_cpus: float = Field(0.25, gt=0, description="Ray CPUs of the reward pool actor.")
+
+
+class AlgorithmConfig(Section):
+    policy_loss: Literal["grpo", "cagrpo", "clip_cov", "kl_cov"] = Field(
+        "cagrpo", description="Policy loss from cagrpo_ray.algo.losses."
+    )
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How token losses are aggregated."
+    )
+    cov_scope: Literal["group", "batch"] = Field(
+        "group", description="Token set over which CA-GRPO's covariance kernel is taken."
+    )
+    std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
+    clip_eps_low: float = Field(0.2, ge=0, description="PPO clip range below 1.")
+    clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO: 0.28).")
+    lr: float = Field(1e-4, gt=0, description="Learning rate (AdamW).")
+    warmup_steps: int = Field(5, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the reference policy (0: off).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
+    tis_cap: float | None = Field(
+        None, description="Truncated importance-sampling cap on behavior->proximal weights."
+    )
+
+
+class LearnerConfig(Section):
+    num_learners: int = Field(2, ge=1, description="Data-parallel learner ranks (Ray actors).")
+    num_cpus_per_learner: float = Field(0.5, gt=0, description="Ray CPUs per learner.")
+    num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")
+
+
+class SyncConfig(Section):
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Weight-sync backend (auto: nccl on GPU, gloo on CPU)."
+    )
+    bucket_mb: float = Field(64.0, gt=0, description="Broadcast bucket size in MiB.")
+    timeout_s: float = Field(120.0, gt=0, description="Timeout of every sync collective.")
+
+
+class EvalConfig(Section):
+    samples: int = Field(4, ge=1, description="Samples per held-out prompt (k of pass@k).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature for evaluation.")
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig, description="The run as a whole.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The policy.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompt sources.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generators.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Verifiers.")
+    algorithm: AlgorithmConfig = Field(
+        default_factory=AlgorithmConfig, description="Advantages and policy loss."
+    )
+    learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learners.")
+    sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key and what is allowed."""
+
+
+def _section_at(path: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in path:
+        if model is None or not isinstance(part, str) or part not in model.model_fields:
+            return None
+        annotation = model.model_fields[part].annotation
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return model
+
+
+def _describe(error: dict) -> str:
+    loc = tuple(error["loc"])
+    dotted = ".".join(str(p) for p in loc)
+    given = error.get("input")
+    if error["type"] == "extra_forbidden":
+        parent = _section_at(loc[:-1])
+        allowed = ", ".join(parent.model_fields) if parent else "?"
+        return f"{dotted}: unknown key; allowed keys here: {allowed}"
+    if error["type"] == "literal_error":
+        field = _section_at(loc[:-1])
+        choices = typing.get_args(field.model_fields[loc[-1]].annotation) if field else ()
+        allowed = ", ".join(str(c) for c in choices) or error.get("ctx", {}).get("expected", "?")
+        return f"{dotted}: {given!r} is not one of {allowed}"
+    return f"{dotted}: {given!r} is invalid: {error['msg']}"
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {part!r} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`["algorithm.lr=1e-6", ...]` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def from_dict(tree: dict) -> Config:
+    """Validate a nested dict; raises ConfigError listing every wrong key or value."""
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        lines = [_describe(e) for e in exc.errors()]
+        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (or the defaults when path is None), apply `--set` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        text = Path(path).read_text()
+        tree = yaml.safe_load(text) or {}
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    tree = _merge(tree, parse_overrides(overrides or []))
+    try:
+        return from_dict(tree)
+    except ConfigError as exc:
+        where = f"{path}: " if path else ""
+        raise ConfigError(f"{where}{exc}") from None
+
+
+def to_yaml(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
+    """One line per field: dotted key, default and description (for `--describe`)."""
+    lines = []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            lines += describe_fields(annotation, f"{prefix}{name}.")
+            continue
+        default = field.get_default(call_default_factory=True)
+        lines.append(f"{prefix}{name} = {default!r}  # {field.description}")
+    return lines
+
+
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config (only what differs from the defaults).")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="Override one field by dotted path, e.g. --set algorithm.lr=1e-6 (repeatable).",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cagrpo_ray.config", description="Print the resolved configuration."
+    )
+    add_config_args(parser)
+    parser.add_argument("--describe", action="store_true", help="List every field with its help.")
+    args = parser.parse_args(argv)
+    if args.describe:
+        print("\n".join(describe_fields()))
+        return 0
+    try:
+        config = load_config(args.config, args.overrides)
+    except (ConfigError, OSError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(to_yaml(config), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

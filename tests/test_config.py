@@ -1,0 +1,82 @@
+"""The typed config: defaults, YAML, overrides and the error messages users see."""
+
+from pathlib import Path
+
+import pytest
+
+from cagrpo_ray.config import Config, ConfigError, describe_fields, load_config, main
+
+pytestmark = pytest.mark.unit
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+def test_defaults_validate_and_every_field_is_described():
+    config = Config()
+    assert config.algorithm.policy_loss == "cagrpo"
+    lines = describe_fields()
+    assert len(lines) > 40
+    for line in lines:
+        key, _, help_text = line.partition("#")
+        assert help_text.strip() and help_text.strip() != "None", f"no description: {key}"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    load_config(path)
+
+
+def test_wrong_literal_names_key_given_and_allowed():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.policy_loss=cagrpo2"])
+    expected = "algorithm.policy_loss: 'cagrpo2' is not one of grpo, cagrpo, clip_cov, kl_cov"
+    assert expected in str(err.value)
+
+
+def test_unknown_key_in_yaml_names_file_key_and_allowed(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("rollout:\n  group_sise: 8\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert str(path) in message
+    assert "rollout.group_sise: unknown key" in message
+    assert "group_size" in message
+
+
+def test_unknown_section():
+    with pytest.raises(ConfigError, match="algorithmm: unknown key; allowed keys here: run,"):
+        load_config(None, ["algorithmm.lr=1"])
+
+
+def test_overrides_parse_yaml_scalars_and_nest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("algorithm:\n  lr: 0.5\n  clip_eps_high: 0.28\n")
+    config = load_config(path, ["algorithm.lr=1e-6", "rollout.group_size=12", "sync.backend=gloo"])
+    assert config.algorithm.lr == pytest.approx(1e-6)
+    assert config.algorithm.clip_eps_high == pytest.approx(0.28)
+    assert config.rollout.group_size == 12
+    assert config.sync.backend == "gloo"
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["run.steps=0"], "run.steps: 0 is invalid"),
+        (["rollout.temperature=-1"], "rollout.temperature: -1 is invalid"),
+        (["learner.zero_stage=4"], "learner.zero_stage: 4 is not one of 0, 1, 2, 3"),
+        (["algorithm.lr"], "expected dotted.key=value"),
+        (["run.steps=3", "run.steps.x=1"], "'steps' is a value, not a section"),
+    ],
+)
+def test_bad_values_fail_with_the_key(overrides, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert fragment in str(err.value)
+
+
+def test_cli_prints_resolved_config_and_rejects_bad_keys(capsys):
+    assert main(["--set", "algorithm.lr=0.001"]) == 0
+    assert "lr: 0.001" in capsys.readouterr().out
+    assert main(["--set", "nope.x=1"]) == 2
+    assert "nope: unknown key" in capsys.readouterr().err
