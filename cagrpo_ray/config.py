@@ -36,11 +36,17 @@ class RunConfig(Section):
     )
     seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
-    checkpoint_every: int = Field(10, ge=0, description="Checkpoint every K steps (0: only at the end).")
+    checkpoint_every: int = Field(
+        10, ge=0, description="Checkpoint every K steps (0: only at the end)."
+    )
     keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints to keep.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every K steps (0: only before and after).")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate every K steps (0: only before and after)."
+    )
     wait_warn_s: float = Field(
-        60.0, gt=0, description="A wait longer than this (seconds) is logged with what it waits for."
+        60.0,
+        gt=0,
+        description="A wait longer than this (seconds) is logged with what it waits for.",
     )
     ray_num_cpus: float | None = Field(
         None, description="CPUs for a local Ray cluster started by the run (None: all)."
@@ -190,7 +196,11 @@ def _section_at(path: tuple) -> type[BaseModel] | None:
         if model is None or not isinstance(part, str) or part not in model.model_fields:
             return None
         annotation = model.model_fields[part].annotation
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        model = (
+            annotation
+            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
+            else None
+        )
     return model
 
 
@@ -287,7 +297,11 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[s
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="YAML config (only what differs from the defaults).")
     parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="Override one field by dotted path, e.g. --set algorithm.lr=1e-6 (repeatable).",
     )
 
