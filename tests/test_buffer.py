@@ -1,0 +1,105 @@
+"""RolloutBuffer: whole groups, FIFO, staleness, Parquet, and the padded learner batch."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
+
+pytestmark = pytest.mark.unit
+
+
+def random_group(rng, group_id, size=4, version=0):
+    prompt = rng.integers(3, 50, size=rng.integers(1, 9)).tolist()
+    completions = []
+    for _ in range(size):
+        length = int(rng.integers(0, 12))
+        completions.append(
+            SimpleNamespace(
+                prompt_token_ids=prompt,
+                token_ids=rng.integers(3, 50, size=length).tolist(),
+                logprobs=(-rng.random(length) * 5).tolist(),
+                finish_reason="stop" if rng.random() < 0.5 else "length",
+                policy_version=version,
+            )
+        )
+    rewards = rng.integers(0, 2, size=size).astype(float).tolist()
+    return group_record_batch(
+        f"p{group_id}", group_id, completions, rewards, [r > 0 for r in rewards], [0.0] * size
+    ), completions
+
+
+def test_learner_batch_matches_a_row_by_row_reference():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        buffer = RolloutBuffer()
+        groups = [random_group(rng, g + 100 * trial) for g in range(int(rng.integers(1, 6)))]
+        for batch, _ in groups:
+            buffer.add(batch)
+        table = buffer.take(len(groups))
+        out = to_learner_batch(table, pad_token_id=0)
+        rows = [c for _, cs in groups for c in cs]
+        width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in rows)
+        assert out["input_ids"].shape == (len(rows), width)
+        for i, c in enumerate(rows):
+            p, r = len(c.prompt_token_ids), len(c.token_ids)
+            expected = c.prompt_token_ids + c.token_ids + [0] * (width - p - r)
+            assert out["input_ids"][i].tolist() == expected
+            assert out["attention_mask"][i].tolist() == [1] * (p + r) + [0] * (width - p - r)
+            assert out["response_mask"][i].tolist() == [False] * p + [True] * r + [False] * (
+                width - p - r
+            )
+            np.testing.assert_allclose(
+                out["behavior_logprobs"][i, p : p + r].numpy(), c.logprobs, rtol=1e-6
+            )
+            assert float(out["behavior_logprobs"][i].abs().sum()) == pytest.approx(
+                float(np.abs(c.logprobs).sum()), rel=1e-5
+            )
+
+
+def test_groups_leave_whole_in_arrival_order_and_stale_ones_are_dropped():
+    rng = np.random.default_rng(1)
+    buffer = RolloutBuffer()
+    for g, version in enumerate([0, 1, 2, 2, 3]):
+        buffer.add(random_group(rng, g, version=version)[0])
+    assert len(buffer) == 5 and buffer.num_samples == 20
+    table = buffer.take(2, min_version=2)
+    assert buffer.dropped_stale == 2
+    assert table.column("group_id").to_pylist() == [2] * 4 + [3] * 4
+    assert buffer.take(2) is None  # one group left: too few, and nothing is lost
+    assert len(buffer) == 1
+
+
+def test_capacity_drops_oldest_and_counts():
+    rng = np.random.default_rng(2)
+    buffer = RolloutBuffer(capacity_groups=2)
+    for g in range(4):
+        buffer.add(random_group(rng, g)[0])
+    assert buffer.dropped_overflow == 2
+    assert buffer.to_table().column("group_id").to_pylist() == [2] * 4 + [3] * 4
+
+
+def test_parquet_dump_and_reload_keep_groups(tmp_path):
+    rng = np.random.default_rng(3)
+    buffer = RolloutBuffer()
+    for g in range(3):
+        buffer.add(random_group(rng, g, size=int(rng.integers(2, 5)))[0])
+    path = buffer.dump_parquet(tmp_path / "rollouts.parquet")
+    table = pq.read_table(path)
+    assert table.equals(buffer.to_table())
+    other = RolloutBuffer()
+    other.load_table(table)
+    assert len(other) == 3
+    assert other.to_table().equals(buffer.to_table())
+
+
+def test_bad_groups_are_rejected_with_their_id():
+    rng = np.random.default_rng(4)
+    _, completions = random_group(rng, 7)
+    completions[0].logprobs = completions[0].logprobs + [0.0]
+    with pytest.raises(ValueError, match="group 7"):
+        group_record_batch("p7", 7, completions, [0.0] * 4, [False] * 4, [0.0] * 4)
+    with pytest.raises(ValueError, match="4 completions but 3 rewards"):
+        group_record_batch("p7", 7, completions[1:] + completions[1:2], [0.0] * 3, [0] * 4, [0] * 4)
