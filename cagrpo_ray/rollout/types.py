@@ -1,0 +1,55 @@
+"""What an engine is asked for (`SamplingConfig`) and what it returns per sample (`Completion`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SamplingConfig:
+    """What an engine needs to sample.
+
+    `temperature == 0` means greedy decoding. `top_k = 0` and `top_p = 1.0` disable those
+    filters, which is what the learner assumes when it recomputes log-probs as
+    `log_softmax(logits / temperature)`.
+    """
+
+    n: int = 1  # samples per prompt (the GRPO group size G)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    max_tokens: int = 64  # completion tokens
+    seed: int | None = None  # None: the engine's own seeded stream
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"SamplingConfig.n must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = disabled), got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_tokens must be at least 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled response.
+
+    `logprobs[t]` is the behavior log-prob of `token_ids[t]` under the distribution it was
+    sampled from: `log_softmax(logits / temperature)` after the top-k / top-p filters
+    (renormalised over the kept tokens), and `log_softmax(logits)` when greedy.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # sampled response tokens (eos included when sampled)
+    logprobs: list[float]  # behavior log-prob of each sampled token, same length
+    text: str  # decoded response (special tokens kept, e.g. <think>)
+    finish_reason: str  # "stop" | "length"
+    policy_version: int  # version of the weights that sampled it
