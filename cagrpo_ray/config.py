@@ -79,19 +79,24 @@ class DataConfig(Section):
     dataset_config: dict[str, Any] = Field(
         default_factory=dict, description="reasoning_gym dataset options (e.g. min_terms)."
     )
-    train_seed: int = Field(1_000_000, description="Seed of the training prompts.")
-    train_size: int = Field(100_000, ge=1, description="Number of distinct training prompts.")
-    eval_seed: int = Field(9_000_000, description="Seed of held-out prompts (far from train).")
+    seed: int = Field(
+        0, description="Base seed of the prompt splits (train and eval lie far apart)."
+    )
+    train_size: int = Field(20_000, ge=1, description="Number of distinct training prompts.")
     eval_size: int = Field(200, ge=1, description="Number of held-out evaluation prompts.")
     path: str | None = Field(None, description="Parquet or JSONL file when source is 'file'.")
     eval_path: str | None = Field(None, description="Held-out file when source is 'file'.")
-    question_column: str = Field("problem", description="Column holding the problem text.")
+    question_column: str | None = Field(
+        None, description="Column holding the problem text (None: problem, prompt or question)."
+    )
     answer_column: str = Field("answer", description="Column holding the reference answer.")
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="What a malformed data row does: skipped (and counted) or an error."
     )
-    instruction: str | None = Field(
-        None, description="Instruction put before each problem (None: the template's default)."
+    instruction: str = Field(
+        "r1",
+        description="Instruction before each problem: 'r1' (the R1 reasoning instruction), "
+        "'none', or the text itself. Templates of the small policies leave it out.",
     )
 
 
