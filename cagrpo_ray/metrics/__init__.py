@@ -1,0 +1,1 @@
+"""Per-step metrics: JSONL log, end-of-run plots and summary."""
