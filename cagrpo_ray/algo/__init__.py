@@ -1,0 +1,41 @@
+"""The paper in code, in pure torch: advantages, policy losses, entropy and covariance statistics.
+
+Nothing here imports the rest of cagrpo_ray; every function is testable in milliseconds.
+"""
+
+from cagrpo_ray.algo.advantages import group_advantages
+from cagrpo_ray.algo.entropy import entropy_from_logits, logprobs_from_logits
+from cagrpo_ray.algo.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossOutput,
+    PreparedLoss,
+    cagrpo_token_weights,
+    policy_loss,
+    prepare_loss_inputs,
+    register_policy_loss,
+    token_covariance,
+)
+from cagrpo_ray.algo.stats import (
+    COVARIANCE_TABLE_FRACTIONS,
+    covariance_quantiles,
+    format_covariance_table,
+)
+
+__all__ = [
+    "COVARIANCE_TABLE_FRACTIONS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "PolicyLossOutput",
+    "PreparedLoss",
+    "cagrpo_token_weights",
+    "covariance_quantiles",
+    "entropy_from_logits",
+    "format_covariance_table",
+    "group_advantages",
+    "logprobs_from_logits",
+    "policy_loss",
+    "prepare_loss_inputs",
+    "register_policy_loss",
+    "token_covariance",
+]

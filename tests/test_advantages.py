@@ -1,0 +1,72 @@
+"""group_advantages against a plain float64 reference (GRPO and Dr.GRPO)."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from cagrpo_ray.algo.advantages import group_advantages
+
+pytestmark = pytest.mark.unit
+
+REWARD = st.one_of(st.sampled_from([0.0, 1.0, 0.5]), st.floats(-10, 10, width=32))
+
+
+def reference_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start : start + group_size]]
+        mean = sum(group) / len(group)
+        if std_normalize and len(group) > 1:
+            std = (sum((r - mean) ** 2 for r in group) / (len(group) - 1)) ** 0.5
+            out += [(r - mean) / (std + eps) for r in group]
+        else:
+            out += [r - mean for r in group]
+    return np.array(out)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 6).flatmap(
+        lambda g: st.tuples(
+            st.just(g), arrays(np.float32, st.integers(1, 4).map(lambda n: n * g), elements=REWARD)
+        )
+    ),
+    st.booleans(),
+)
+def test_matches_reference(group_and_rewards, std_normalize):
+    group_size, rewards = group_and_rewards
+    got = group_advantages(torch.from_numpy(rewards), group_size, std_normalize=std_normalize)
+    want = reference_advantages(rewards, group_size, std_normalize)
+    assert got.dtype == torch.float32
+    assert torch.isfinite(got).all()
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_group_of_equal_rewards_has_zero_advantage():
+    rewards = torch.tensor([0.1] * 12 + [0.0, 1.0, 1.0, 0.0] * 3)
+    a = group_advantages(rewards, 12)
+    assert torch.equal(a[:12], torch.zeros(12))
+    assert a[12:].abs().min() > 0.5
+
+
+def test_grpo_uses_unbiased_std_and_dr_grpo_does_not_divide():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    std = rewards.std()  # unbiased, 0.5
+    expected = (rewards - 0.25) / (std + 1e-6)
+    torch.testing.assert_close(group_advantages(rewards, 4), expected)
+    torch.testing.assert_close(group_advantages(rewards, 4, std_normalize=False), rewards - 0.25)
+
+
+def test_group_of_one_and_float64():
+    assert torch.equal(group_advantages(torch.tensor([3.0, 1.0]), 1), torch.zeros(2))
+    a = group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2)
+    assert a.dtype == torch.float64
+
+
+@pytest.mark.parametrize("rewards, group_size", [(torch.zeros(5), 2), (torch.zeros(2, 2), 2)])
+def test_rejects_incomplete_groups(rewards, group_size):
+    with pytest.raises(ValueError, match="group_size"):
+        group_advantages(rewards, group_size)

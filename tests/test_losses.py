@@ -1,0 +1,537 @@
+"""Policy losses and CA-GRPO weights against plain float64 references written here.
+
+The references are loops over tokens in float64 (numpy, or torch scalars where a gradient is
+needed); they implement the formulas of the issue's contract, not the library's code paths.
+"""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from cagrpo_ray.algo.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    cagrpo_token_weights,
+    policy_loss,
+    prepare_loss_inputs,
+    register_policy_loss,
+    token_covariance,
+)
+
+pytestmark = pytest.mark.unit
+
+LOSSES = ("grpo", "cagrpo", "clip_cov", "kl_cov")
+HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True)
+
+# ------------------------------------------------------------------------------------------------
+# References
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_scopes(B, group_ids, scope):
+    if scope == "batch":
+        return [list(range(B))]
+    return [[i for i in range(B) if group_ids[i] == g] for g in sorted(set(group_ids.tolist()))]
+
+
+def reference_covariance(logp, adv, mask, group_ids, scope):
+    """c[i, t] = (logp - mean_S logp)(A_i - mean_S A) over each scope's valid tokens, float64."""
+    B, T = logp.shape
+    c = np.zeros((B, T))
+    for rows in reference_scopes(B, group_ids, scope):
+        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
+        if not tokens:
+            continue
+        lp = np.array([float(logp[i, t]) for i, t in tokens])
+        a = np.array([float(adv[i]) for i, t in tokens])
+        for (i, t), v in zip(tokens, (lp - lp.mean()) * (a - a.mean()), strict=True):
+            c[i, t] = v
+    return c
+
+
+def reference_weights(logp, adv, mask, group_ids, scope):
+    """The contract: sigma = population std of c over S; sigma < 1e-8 -> 1; else
+    w = exp(-c^2 / 2 sigma^2), w~ = w |S| / sum_S w (0 outside the mask)."""
+    B, T = logp.shape
+    c = reference_covariance(logp, adv, mask, group_ids, scope)
+    weights = np.zeros((B, T))
+    for rows in reference_scopes(B, group_ids, scope):
+        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
+        if not tokens:
+            continue
+        cs = np.array([c[i, t] for i, t in tokens])
+        sigma = cs.std()
+        if sigma < 1e-8:
+            w = np.ones(len(tokens))
+        else:
+            exponent = -(cs**2) / (2 * sigma**2)
+            w = np.exp(exponent - exponent.max())  # a common factor: cancels in w~
+        w = w * len(tokens) / w.sum()
+        for (i, t), v in zip(tokens, w, strict=True):
+            weights[i, t] = v
+    return weights
+
+
+def reference_loss(
+    name,
+    logp,
+    old,
+    adv,
+    mask,
+    token_weight,
+    penalty,
+    agg,
+    eps_low,
+    eps_high,
+    kl_cov_coef=1.0,
+    horizon=None,
+    ref_logp=None,
+    kl_coef=0.0,
+):
+    """Per-token loss written case by case, in float64 torch scalars so autograd gives the
+    reference gradient w.r.t. `logp` (a float64 leaf tensor)."""
+    B, T = mask.shape
+    per_row = []
+    for i in range(B):
+        row = []
+        for t in range(T):
+            if not mask[i, t]:
+                continue
+            log_r = (logp[i, t] - float(old[i, t])).clamp(-20, 20)
+            r = torch.exp(log_r)
+            if name == "kl_cov":
+                term = -float(adv[i]) * r + kl_cov_coef * float(penalty[i, t]) * log_r.abs()
+            else:
+                a = float(adv[i]) * float(token_weight[i, t])
+                # max(-a r, -a clip(r)): r capped at 1 + eps_high (a > 0), floored at 1 - eps_low
+                if a >= 0:
+                    term = -a * torch.clamp(r, max=1 + eps_high)
+                else:
+                    term = -a * torch.clamp(r, min=1 - eps_low)
+            if ref_logp is not None and kl_coef:
+                d = (float(ref_logp[i, t]) - logp[i, t]).clamp(-20, 20)
+                term = term + kl_coef * (torch.exp(d) - d - 1)
+            row.append(term)
+        per_row.append(row)
+    tokens = sum(len(r) for r in per_row)
+    seqs = sum(1 for r in per_row if r)
+    total = sum((sum(r) for r in per_row if r), torch.zeros((), dtype=torch.float64))
+    if agg == "token-mean":
+        return total / max(tokens, 1)
+    if agg == "seq-mean-token-mean":
+        means = [sum(r) / len(r) for r in per_row if r]
+        return sum(means, torch.zeros((), dtype=torch.float64)) / max(seqs, 1)
+    return total / max(seqs * (horizon or T), 1)
+
+
+def reference_advantages(rewards, group_size):
+    out = np.zeros(len(rewards))
+    for s in range(0, len(rewards), group_size):
+        g = rewards[s : s + group_size].astype(np.float64)
+        std = g.std(ddof=1) if len(g) > 1 else 0.0
+        out[s : s + group_size] = (g - g.mean()) / (std + 1e-6)
+    return out.astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Random batches
+# ------------------------------------------------------------------------------------------------
+
+LOGPROB = st.one_of(
+    st.floats(-20, 0, width=32),
+    st.sampled_from([0.0, -0.5, -1e-3, -80.0, -80.0009765625, -1e4]),
+)
+
+
+@st.composite
+def batches(draw, max_groups=3, max_group_size=4, max_T=6):
+    groups = draw(st.integers(1, max_groups))
+    group_size = draw(st.integers(1, max_group_size))
+    B, T = groups * group_size, draw(st.integers(1, max_T))
+    old = draw(arrays(np.float32, (B, T), elements=LOGPROB))
+    delta = draw(arrays(np.float32, (B, T), elements=st.floats(-0.625, 0.625, width=32)))
+    mask = draw(arrays(np.bool_, (B, T)))
+    reward = st.one_of(st.sampled_from([0.0, 1.0]), st.floats(0, 1, width=32))
+    rewards = draw(arrays(np.float32, (B,), elements=reward))
+    return {
+        "old": old,
+        "new": (old + delta).astype(np.float32),
+        "mask": mask,
+        "adv": reference_advantages(rewards, group_size),
+        "group_ids": np.repeat(np.arange(groups), group_size),
+    }
+
+
+def as_torch(b):
+    return (
+        torch.from_numpy(b["new"]).clone().requires_grad_(),
+        torch.from_numpy(b["old"]),
+        torch.from_numpy(b["adv"]),
+        torch.from_numpy(b["mask"]),
+        torch.from_numpy(b["group_ids"]),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# CA-GRPO weights
+# ------------------------------------------------------------------------------------------------
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(["group", "batch"]))
+def test_weights_match_reference(b, scope):
+    _, old, adv, mask, gid = as_torch(b)
+    got = cagrpo_token_weights(old, adv, mask, gid, scope=scope)
+    want = reference_weights(b["old"], b["adv"], b["mask"], b["group_ids"], scope)
+    assert torch.isfinite(got).all()
+    assert not got.requires_grad
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5)
+    # the budget is redistributed, not shrunk: mean_S w~ = 1 on every scope with tokens
+    if b["mask"].any() and scope == "batch":
+        assert got[mask].mean().item() == pytest.approx(1.0, rel=1e-5)
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(["group", "batch"]))
+def test_covariance_matches_reference(b, scope):
+    _, old, adv, mask, gid = as_torch(b)
+    got = token_covariance(old, adv, mask, gid, scope=scope)
+    want = reference_covariance(b["old"], b["adv"], b["mask"], b["group_ids"], scope)
+    scale = max(np.abs(want).max(), 1e-6)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6 * scale)
+
+
+def test_sigma_zero_gives_unit_weights():
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    gid = torch.tensor([0, 0, 1, 1])
+    # group 0: equal rewards (A = 0); group 1: every log-prob equal (-0.7 is inexact in binary)
+    logp = torch.tensor([[-0.1, -2.0, -5.0], [-0.3, -0.2, -9.0], [-0.7] * 3, [-0.7] * 3])
+    adv = torch.tensor([0.0, 0.0, 0.7071, -0.7071])
+    w = cagrpo_token_weights(logp, adv, mask, gid)
+    assert torch.equal(w, torch.ones(4, 3))
+
+
+def test_two_single_token_responses_are_degenerate():
+    # c_1 = c_2 exactly, so sigma = 0; float32 rounding must not turn it into a kernel
+    logp = torch.tensor([[-5.0], [-5.001]])
+    adv = torch.tensor([1.3, -0.4])
+    w = cagrpo_token_weights(logp, adv, torch.ones(2, 1), torch.tensor([0, 0]))
+    assert torch.equal(w, torch.ones(2, 1))
+
+
+def test_rows_without_tokens_single_token_and_empty_batch():
+    logp = torch.tensor([[-1.0, -2.0], [-3.0, -0.5], [-1.0, -1.0]])
+    mask = torch.tensor([[1, 1], [0, 0], [1, 0]])
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    w = cagrpo_token_weights(logp, adv, mask, scope="batch")
+    assert torch.equal(w[1], torch.zeros(2)) and w[2, 1] == 0
+    want = reference_weights(logp.numpy(), adv.numpy(), mask.numpy().astype(bool), None, "batch")
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-5)
+    one = cagrpo_token_weights(logp[:1], adv[:1], torch.tensor([[0, 1]]), scope="batch")
+    assert torch.equal(one, torch.tensor([[0.0, 1.0]]))
+    none = cagrpo_token_weights(logp, adv, torch.zeros(3, 2), scope="batch")
+    assert torch.equal(none, torch.zeros(3, 2))
+
+
+def test_extreme_token_is_tamed_and_tiny_spread_is_resolved():
+    # one token at -1e4 dominates the covariance: its weight must vanish, the others stay near 1
+    logp = -torch.rand(2, 20, generator=torch.Generator().manual_seed(0))
+    logp[0, 0] = -1e4
+    adv = torch.tensor([1.0, -1.0])
+    w = cagrpo_token_weights(logp, adv, torch.ones(2, 20), scope="batch")
+    want = reference_weights(logp.numpy(), adv.numpy(), np.ones((2, 20), bool), None, "batch")
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-4, atol=1e-6)
+    assert w[0, 0] < 1e-6 and w[:, 1:].min() > 0.9
+    # log-probs near -80 with a spread of 1e-3: the differences survive float32
+    mask = torch.ones(2, 3)
+    logp = -80.0 + torch.tensor([[0.0, 2.0**-10, 3 * 2.0**-10], [2.0**-9, 0.0, 2.0**-11]])
+    w = cagrpo_token_weights(logp, adv, mask, scope="batch")
+    want = reference_weights(
+        logp.double().numpy(), adv.numpy(), np.ones((2, 3), bool), None, "batch"
+    )
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-4)
+
+
+def test_weights_reject_bad_scope_and_missing_groups():
+    x = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match="group_ids"):
+        cagrpo_token_weights(x, torch.zeros(2), x, scope="group")
+    with pytest.raises(ValueError, match="group, batch"):
+        cagrpo_token_weights(x, torch.zeros(2), x, scope="prompt")
+
+
+# ------------------------------------------------------------------------------------------------
+# Losses
+# ------------------------------------------------------------------------------------------------
+
+
+def library_and_reference(name, b, agg, eps_low=0.2, eps_high=0.28, options=None, ref_options=None):
+    """(library output, library grad, reference loss, reference grad) on batch `b`."""
+    new, old, adv, mask, gid = as_torch(b)
+    out = policy_loss(
+        name,
+        new,
+        old,
+        adv,
+        mask,
+        gid,
+        clip_eps_low=eps_low,
+        clip_eps_high=eps_high,
+        loss_agg=agg,
+        seed=3,
+        **(options or {}),
+    )
+    out.loss.backward()
+    prepared = prepare_loss_inputs(name, old, adv, mask, gid, seed=3)
+    token_weight = np.ones(b["mask"].shape)
+    if name == "cagrpo":  # the contract's weights, from the reference
+        token_weight = reference_weights(b["old"], b["adv"], b["mask"], b["group_ids"], "group")
+    elif name == "clip_cov":  # a random choice: take the library's, checked separately
+        token_weight = prepared.token_weights.numpy()
+    penalty = prepared.kl_penalty.numpy() if name == "kl_cov" else None
+    ref_new = torch.from_numpy(b["new"]).double().requires_grad_()
+    ref = reference_loss(
+        name,
+        ref_new,
+        b["old"],
+        b["adv"],
+        b["mask"],
+        token_weight,
+        penalty,
+        agg,
+        eps_low,
+        eps_high,
+        **(ref_options or {}),
+    )
+    if ref.requires_grad:
+        ref.backward()
+    ref_grad = ref_new.grad if ref_new.grad is not None else torch.zeros_like(ref_new)
+    return out, new.grad, float(ref.detach()), ref_grad
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(LOSSES), st.sampled_from(LOSS_AGG_MODES))
+def test_losses_match_reference(b, name, agg):
+    out, grad, ref, ref_grad = library_and_reference(name, b, agg)
+    assert math.isfinite(out.loss.item()) and torch.isfinite(grad).all()
+    assert out.loss.item() == pytest.approx(ref, rel=2e-4, abs=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=2e-4, atol=1e-5)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in out.metrics.values())
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(LOSS_AGG_MODES))
+def test_k3_kl_to_reference_policy(b, agg):
+    ref_logp = (b["old"] - 0.1).astype(np.float32)
+    options = {"ref_logprobs": torch.from_numpy(ref_logp), "kl_coef": 0.05}
+    ref_options = {"ref_logp": ref_logp, "kl_coef": 0.05}
+    out, grad, ref, ref_grad = library_and_reference(
+        "grpo", b, agg, options=options, ref_options=ref_options
+    )
+    assert out.loss.item() == pytest.approx(ref, rel=2e-4, abs=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=2e-4, atol=1e-5)
+    assert "kl/ref_k3" in out.metrics
+
+
+def test_cagrpo_gradient_is_ppo_clip_gradient_with_reweighted_advantages():
+    g = torch.Generator().manual_seed(0)
+    B, T = 12, 9
+    old = -3 * torch.rand(B, T, generator=g)
+    new = (old + 0.3 * torch.randn(B, T, generator=g)).requires_grad_()
+    mask = torch.rand(B, T, generator=g) < 0.8
+    adv = torch.randn(B, generator=g)
+    gid = torch.arange(B) // 4
+    policy_loss("cagrpo", new, old, adv, mask, gid, clip_eps_high=0.28).loss.backward()
+    # PPO-clip, written out, with A replaced by the constant w~ * A
+    weighted = (cagrpo_token_weights(old, adv, mask, gid) * adv[:, None]).detach()
+    x = new.detach().clone().requires_grad_()
+    ratio = torch.exp(x - old)
+    token = torch.maximum(-weighted * ratio, -weighted * ratio.clamp(0.8, 1.28))
+    (token * mask).sum().div(mask.sum()).backward()
+    torch.testing.assert_close(new.grad, x.grad, rtol=1e-5, atol=1e-7)
+    assert (new.grad != 0).any()
+
+
+def test_clip_cov_selection_follows_its_definition():
+    g = torch.Generator().manual_seed(1)
+    B, T = 32, 64
+    old = -4 * torch.rand(B, T, generator=g) ** 2
+    adv = 3 * torch.randn(B, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.9
+    ratio, lb, ub = 0.01, 0.5, 5.0
+    prepared = prepare_loss_inputs(
+        "clip_cov", old, adv, mask, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub, seed=7
+    )
+    chosen = (prepared.token_weights == 0) & mask
+    c = reference_covariance(old.numpy(), adv.numpy(), mask.numpy(), None, "batch")
+    eligible = mask.numpy() & (c > lb) & (c < ub)
+    assert eligible[chosen.numpy()].all()
+    assert int(chosen.sum()) == min(max(int(ratio * int(mask.sum())), 1), int(eligible.sum()))
+    assert torch.equal(prepared.token_weights[~chosen], mask.float()[~chosen])
+    again = prepare_loss_inputs(
+        "clip_cov", old, adv, mask, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub, seed=7
+    )
+    other = prepare_loss_inputs(
+        "clip_cov", old, adv, mask, clip_cov_ratio=ratio, clip_cov_lb=lb, clip_cov_ub=ub, seed=8
+    )
+    assert torch.equal(again.token_weights, prepared.token_weights)
+    assert not torch.equal(other.token_weights, prepared.token_weights)
+
+
+def test_kl_cov_selects_top_covariance_tokens():
+    g = torch.Generator().manual_seed(2)
+    B, T = 16, 40
+    old = -4 * torch.rand(B, T, generator=g)
+    adv = torch.randn(B, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.7
+    prepared = prepare_loss_inputs("kl_cov", old, adv, mask, kl_cov_ratio=0.05)
+    chosen = prepared.kl_penalty.bool()
+    c = reference_covariance(old.numpy(), adv.numpy(), mask.numpy(), None, "batch")
+    k = int(0.05 * int(mask.sum()))
+    assert int(chosen.sum()) == k and not (chosen & ~mask).any()
+    threshold = np.sort(c[mask.numpy()])[::-1][k - 1]
+    assert (c[chosen.numpy()] >= threshold - 1e-6).all()
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+def test_micro_batches_sum_to_the_full_batch_gradient(name, agg):
+    g = torch.Generator().manual_seed(3)
+    B, T = 24, 48
+    old = -3 * torch.rand(B, T, generator=g) ** 2
+    new0 = old + 0.3 * torch.randn(B, T, generator=g)
+    mask = torch.rand(B, T, generator=g) < 0.8
+    mask[5] = False  # a response without tokens
+    adv = torch.randn(B, generator=g)
+    gid = torch.arange(B) // 6
+    ref_logp, entropy = old - 0.2, torch.rand(B, T, generator=g)
+    options = {"clip_eps_high": 0.28, "loss_agg": agg, "ref_logprobs": ref_logp, "kl_coef": 0.1}
+    settings_ = {"clip_cov_ratio": 0.02, "kl_cov_ratio": 0.02, "seed": 11, "cov_scope": "group"}
+
+    full = new0.clone().requires_grad_()
+    ent_full = entropy.clone().requires_grad_()
+    out = policy_loss(
+        name, full, old, adv, mask, gid, entropy=ent_full, entropy_coef=0.01, **options, **settings_
+    )
+    out.loss.backward()
+
+    parts = new0.clone().requires_grad_()
+    ent_parts = entropy.clone().requires_grad_()
+    prepared = prepare_loss_inputs(name, old, adv, mask, gid, **settings_)
+    total = 0.0
+    for rows in (slice(0, 7), slice(7, 8), torch.tensor([8, 9, 20, 21]), slice(10, 20), [22, 23]):
+        rows = torch.as_tensor(rows) if isinstance(rows, list) else rows
+        part = policy_loss(
+            name,
+            parts[rows],
+            old[rows],
+            adv[rows],
+            mask[rows],
+            entropy=ent_parts[rows],
+            entropy_coef=0.01,
+            prepared=prepared.rows(rows),
+            **{**options, "ref_logprobs": ref_logp[rows]},
+        )
+        part.loss.backward()
+        total += part.loss.item()
+    assert total == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(parts.grad, full.grad, rtol=1e-5, atol=1e-8)
+    torch.testing.assert_close(ent_parts.grad, ent_full.grad, rtol=1e-5, atol=1e-8)
+    assert full.grad.abs().sum() > 0
+
+
+def test_metrics_keys_and_types():
+    g = torch.Generator().manual_seed(4)
+    old = -2 * torch.rand(8, 16, generator=g)
+    new = (old + 0.5 * torch.randn(8, 16, generator=g)).requires_grad_()
+    mask = torch.ones(8, 16, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0] * 4)
+    out = policy_loss("cagrpo", new, old, adv, mask, torch.arange(8) // 4)
+    for key in [
+        "policy/clip_frac",
+        "policy/clip_frac_high",
+        "policy/clip_frac_low",
+        "policy/approx_kl",
+        "policy/ratio_mean",
+        "policy/ratio_max",
+        "policy/loss",
+        "policy/tokens",
+        "loss/total",
+        "cagrpo/weight_min",
+        "cagrpo/weight_mean",
+        "cagrpo/weight_max",
+        "cagrpo/weight_p01",
+        "cagrpo/weight_frac_below_0.5",
+        "cagrpo/sigma_mean",
+        "cagrpo/degenerate_frac",
+        "cov/mean",
+        "cov/std",
+        "cov/pos_0.01pct",
+        "cov/neg_0.01pct",
+        "cov/pos_1pct",
+        "cov/neg_1pct",
+        "cov/pos_20pct",
+        "cov/neg_20pct",
+        "cov/pos_40pct",
+        "cov/neg_40pct",
+    ]:
+        assert isinstance(out.metrics[key], float), key
+    r = torch.exp(new.detach() - old)
+    assert out.metrics["policy/approx_kl"] == pytest.approx(
+        float((r - 1 - r.log()).mean()), rel=1e-4
+    )
+    clipped = ((r > 1.2) & (adv[:, None] > 0)) | ((r < 0.8) & (adv[:, None] < 0))
+    assert out.metrics["policy/clip_frac"] == pytest.approx(float(clipped.float().mean()))
+    assert out.metrics["cagrpo/weight_mean"] == pytest.approx(1.0, rel=1e-5)
+
+
+def test_no_nan_on_edge_batches_and_nan_inputs_are_refused():
+    for name in LOSSES:
+        for mask in (
+            torch.zeros(4, 3, dtype=torch.bool),
+            torch.tensor([[1, 0, 0]] + [[0] * 3] * 3),
+        ):
+            new = torch.full((4, 3), -1e4, requires_grad=True)
+            out = policy_loss(
+                name,
+                new,
+                torch.zeros(4, 3),
+                torch.zeros(4),
+                mask.bool(),
+                torch.tensor([0, 0, 1, 1]),
+            )
+            out.loss.backward()
+            assert torch.isfinite(new.grad).all() and math.isfinite(out.loss.item())
+            assert all(math.isfinite(v) for v in out.metrics.values())
+    bad = torch.tensor([[float("nan"), -1.0]], requires_grad=True)
+    with pytest.raises(FloatingPointError, match="NaN"):
+        policy_loss("grpo", bad, torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2))
+
+
+def test_registry_errors_and_extension():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="grpo, cagrpo, clip_cov, kl_cov"):
+        policy_loss("cagrpo2", x, x, torch.zeros(2), x)
+    with pytest.raises(ValueError, match="token-mean"):
+        policy_loss("grpo", x, x, torch.zeros(2), x, loss_agg="sum")
+    prepared = prepare_loss_inputs("grpo", x, torch.zeros(2), x)
+    with pytest.raises(ValueError, match="cagrpo"):
+        policy_loss("cagrpo", x, x, torch.zeros(2), x, prepared=prepared)
+
+    @register_policy_loss("vanilla_pg")
+    def vanilla_pg(inputs):
+        return -inputs.advantages * inputs.ratio, {}
+
+    try:
+        new = torch.zeros(2, 3, requires_grad=True)
+        policy_loss(
+            "vanilla_pg", new, x, torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+        ).loss.backward()
+        torch.testing.assert_close(new.grad, torch.tensor([[-1.0] * 3, [1.0] * 3]) / 6)
+    finally:
+        del POLICY_LOSSES["vanilla_pg"]
