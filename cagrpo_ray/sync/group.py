@@ -1,0 +1,156 @@
+"""The dedicated weight-sync process group and its named rendezvous.
+
+Rank 0 is the learner's rank 0; ranks 1.. are generator workers (one per vLLM worker process,
+so a tensor-parallel engine takes several). The group is a standalone
+`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) over its own `TCPStore`, never the default
+`torch.distributed` group: the learner's default group belongs to DeepSpeed.
+
+A raw collective whose peer never comes blocks until its timeout and then says nothing about
+who is missing. So every rendezvous goes through the store first: each rank writes a key
+(`joined/<rank>`, `v<version>/ready/<rank>`) and waits for the others' keys, and a timeout
+names the ranks whose keys are missing. Only then does the data collective start.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+LEARNER_RANK = 0
+BACKENDS = ("gloo", "nccl")
+
+
+class WeightSyncError(RuntimeError):
+    """A weight-sync rendezvous or collective failed; the message names the side that failed."""
+
+
+@dataclass(frozen=True)
+class SyncAddress:
+    """Where generator workers find the learner's weight-sync group (a Ray-serialisable value)."""
+
+    host: str
+    port: int
+    world_size: int  # 1 learner rank + every generator worker rank
+    backend: str  # "gloo" | "nccl"
+    timeout_s: float
+
+
+def as_sync_address(address: SyncAddress | dict) -> SyncAddress:
+    """Accept the address itself or its `dataclasses.asdict` form (what crosses an RPC)."""
+    return address if isinstance(address, SyncAddress) else SyncAddress(**address)
+
+
+def rank_name(rank: int) -> str:
+    return "learner (rank 0)" if rank == LEARNER_RANK else f"generator worker rank {rank}"
+
+
+def describe_ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return rank_name(ranks[0])
+    learner = [rank_name(r) for r in ranks if r == LEARNER_RANK]
+    workers = [str(r) for r in ranks if r != LEARNER_RANK]
+    if workers:
+        learner.append(f"generator worker ranks {', '.join(workers)}")
+    return ", ".join(learner)
+
+
+def resolve_backend(backend: str) -> str:
+    """'auto' is NCCL where CUDA is available and gloo elsewhere."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in BACKENDS:
+        raise ValueError(f"weight sync backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    return backend
+
+
+def sync_device(backend: str) -> torch.device:
+    """Where the broadcast buffers live: NCCL moves CUDA tensors, gloo CPU tensors."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
+    """The learner's `TCPStore` (master, `port=0` picks a free one) or a worker's client of it.
+
+    The master does not wait for workers (`wait_for_workers=False`): it must return so that the
+    learner can go on while the workers join.
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if is_master:
+        return dist.TCPStore(
+            host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    except (RuntimeError, dist.DistError) as exc:
+        raise WeightSyncError(
+            f"weight sync: the learner's store at {host}:{port} was not reachable within "
+            f"{timeout_s:g} s (has learner rank 0 created its WeightSender?): {exc}"
+        ) from exc
+
+
+def missing_keys(store, keys: list[str], timeout_s: float) -> list[str]:
+    """Wait until every key exists; return those still missing after `timeout_s` (none: [])."""
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+        return []
+    except (RuntimeError, dist.DistError):
+        return [key for key in keys if not store.check([key])]
+
+
+def absent_ranks(store, key: str, ranks: list[int], timeout_s: float) -> list[int]:
+    """Wait until every rank in `ranks` has written `<key>/<rank>`; return the ranks that have not
+    after `timeout_s` (an empty list when all arrived)."""
+    missing = missing_keys(store, [f"{key}/{r}" for r in ranks], timeout_s)
+    return sorted(int(k.rsplit("/", 1)[1]) for k in missing)
+
+
+def join_group(store, rank: int, world_size: int, backend: str, timeout_s: float, host: str):
+    """Every rank calls this once; returns the group after all `world_size` ranks have joined."""
+    store.set(f"joined/{rank}", "1")
+    ranks = absent_ranks(store, "joined", list(range(world_size)), timeout_s)
+    if ranks:
+        raise WeightSyncError(
+            f"{describe_ranks(ranks)} did not join the weight-sync group ({backend}, "
+            f"world size {world_size}) within {timeout_s:g} s"
+        )
+    group_store = dist.PrefixStore("group/", store)
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(group_store, rank, world_size, options)
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [_gloo_device(host)]
+    return dist.ProcessGroupGloo(group_store, rank, world_size, options)
+
+
+def _gloo_device(host: str):
+    # A loopback store means every rank is on this machine: talk over loopback. Otherwise gloo's
+    # default device (hostname lookup, or the interface named by GLOO_SOCKET_IFNAME).
+    if _is_loopback(host):
+        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `tensor` in place from the learner (rank 0), waiting at most `timeout_s`."""
+    options = dist.BroadcastOptions()
+    options.rootRank = LEARNER_RANK
+    options.rootTensor = 0
+    options.timeout = timedelta(seconds=timeout_s)
+    group.broadcast([tensor], options).wait(timedelta(seconds=timeout_s))

@@ -1,0 +1,185 @@
+"""The learner's end of a weight sync: bucketed broadcast from learner rank 0.
+
+One sync of version v, as both ends see it (keys live in the group's own `TCPStore`):
+
+1. each generator worker writes `v<v>/ready/<rank>` and waits for the learner's key;
+2. the learner waits for every worker's key (a timeout names the absent workers), then writes
+   `v<v>/ready/0` (a worker's timeout here says the learner did not send);
+3. per bucket: a broadcast of two int64 sizes (header bytes, bucket bytes), then a broadcast of
+   the bucket (see `buckets.py`); each worker loads the bucket's tensors into its engine;
+4. each worker writes `v<v>/loaded/<rank>` after the last bucket, and `send` returns when all
+   have (so its time covers the weights being in every engine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket
+from cagrpo_ray.sync.group import (
+    LEARNER_RANK,
+    SyncAddress,
+    WeightSyncError,
+    absent_ranks,
+    broadcast,
+    describe_ranks,
+    join_group,
+    open_store,
+    resolve_backend,
+    sync_device,
+)
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    version: int
+    num_tensors: int
+    num_bytes: int  # tensor bytes moved (without headers and padding)
+    num_buckets: int
+    seconds: float  # from the start of the sync until every receiver had loaded the weights
+
+
+class WeightSender:
+    """Learner rank 0's end of the weight-sync group.
+
+    Construction returns at once: it starts the group's `TCPStore` (on `port`, or a free port
+    when `port=0`; read it back from `.address`) and joins the group from a background thread,
+    because the group forms only when every generator worker has joined too. `send` waits for
+    that join. Create the sender once the generator engines are up, hand `.address` to them,
+    then have each call its `init_weight_sync(address, rank_offset)`.
+
+    `world_size` counts this rank and every generator worker rank. Every wait is bounded by
+    `timeout_s` and fails with a `WeightSyncError` naming the rank that did not come. A failure
+    inside a broadcast leaves the group unusable: close the sender and build a new group.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        world_size: int = 2,
+        backend: str = "auto",
+        timeout_s: float = 60.0,
+        bucket_mb: float = 64.0,
+    ):
+        if world_size < 2:
+            raise ValueError(f"world_size counts the learner and >= 1 worker, got {world_size}")
+        self.host = host
+        self.world_size = world_size
+        self.backend = resolve_backend(backend)
+        self.timeout_s = timeout_s
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self._store = open_store(host, port, world_size, is_master=True, timeout_s=timeout_s)
+        self.port = self._store.port
+        self._device = sync_device(self.backend)
+        self._joiner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-join")
+        self._group_future = self._joiner.submit(
+            join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host
+        )
+        self._buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
+        self._broken: str | None = None
+        self.version: int | None = None  # last version every receiver loaded
+
+    @property
+    def address(self) -> SyncAddress:
+        return SyncAddress(self.host, self.port, self.world_size, self.backend, self.timeout_s)
+
+    def wait_joined(self) -> None:
+        """Block until every generator worker has joined; raise naming those that did not."""
+        self._group("weight sync")
+
+    def _group(self, what: str):
+        if self._broken:
+            raise WeightSyncError(f"{what}: the group is unusable after: {self._broken}")
+        try:
+            return self._group_future.result()  # join_group bounds its own wait by timeout_s
+        except WeightSyncError as exc:
+            raise WeightSyncError(f"{what}: {exc}") from exc
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
+        """Broadcast `named_tensors` as policy `version` to every generator worker.
+
+        `named_tensors` are full (unsharded) tensors with the Hugging Face parameter names the
+        engines' `load_weights` expects; it is consumed lazily, one bucket at a time. Returns
+        once every worker has loaded them.
+        """
+        what = f"weight sync v{version}"
+        group = self._group(what)
+        start = time.perf_counter()
+        workers = list(range(1, self.world_size))
+        absent = absent_ranks(self._store, f"v{version}/ready", workers, self.timeout_s)
+        if absent:
+            raise WeightSyncError(
+                f"{what}: {describe_ranks(absent)} did not arrive within {self.timeout_s:g} s "
+                f"(is its engine inside receive_weights({version})?)"
+            )
+        self._store.set(f"v{version}/ready/{LEARNER_RANK}", "1")
+
+        sizes = torch.zeros(2, dtype=torch.int64, device=self._device)
+        num_tensors = num_bytes = num_buckets = 0
+        buckets = group_into_buckets(named_tensors, self.bucket_bytes)
+        for index, (tensors, last) in enumerate(buckets):
+            plan = plan_bucket(tensors, version, index, last)
+            bucket = self._bucket_buffer(plan.nbytes)
+            pack_bucket(tensors, plan, bucket)
+            sizes[0], sizes[1] = len(plan.encoded_header), plan.nbytes
+            self._broadcast(group, sizes, f"{what}: bucket {index} sizes")
+            self._broadcast(group, bucket, f"{what}: bucket {index} ({plan.nbytes} bytes)")
+            num_tensors += len(tensors)
+            num_bytes += sum(s.nbytes for s in plan.header.slots)
+            num_buckets += 1
+
+        absent = absent_ranks(self._store, f"v{version}/loaded", workers, self.timeout_s)
+        if absent:
+            raise WeightSyncError(
+                f"{what}: {describe_ranks(absent)} received the weights but did not confirm "
+                f"loading them within {self.timeout_s:g} s"
+            )
+        for rank in workers:
+            outcome = self._store.get(f"v{version}/loaded/{rank}").decode()
+            if outcome != "ok":
+                raise WeightSyncError(
+                    f"{what}: generator worker rank {rank} failed to load: "
+                    f"{outcome.removeprefix('error: ')}"
+                )
+        for key in ("ready", "loaded"):
+            for rank in range(self.world_size):
+                self._store.delete_key(f"v{version}/{key}/{rank}")
+        self.version = version
+        return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+
+    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
+        # One buffer reused across buckets and syncs: fresh pages cost more than the copy.
+        if self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._buffer[:nbytes]
+
+    def _broadcast(self, group, tensor: torch.Tensor, what: str) -> None:
+        try:
+            broadcast(group, tensor, self.timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            self._broken = f"{what} failed"
+            raise WeightSyncError(
+                f"{what} did not complete within {self.timeout_s:g} s although every generator "
+                f"worker had arrived: a worker died or stalled mid-transfer ({exc}). The group "
+                "is unusable now: close this sender and build a new group."
+            ) from exc
+
+    def close(self) -> None:
+        """Drop the group and stop serving the store (receivers' next wait fails, naming us)."""
+        self._joiner.shutdown(wait=False, cancel_futures=True)
+        self._broken = self._broken or "the sender was closed"
+        self._group_future = None
+        self._store = None
+
+    def __enter__(self) -> WeightSender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
