@@ -54,18 +54,11 @@ class RunConfig(Section):
 
 
 class ModelConfig(Section):
-    path: str | None = Field(
-        None,
-        description="HF causal LM (local dir or hub name); None builds or reuses the small "
-        "local policy described by `builtin`.",
+    path: str = Field(
+        "chain_sum",
+        description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard; built on "
+        "first use and cached), a local HF model directory, or a hub name.",
     )
-    builtin_task: str = Field(
-        "chain_sum", description="Task the built-in small policy is warm-started on."
-    )
-    builtin_sft_steps: int | None = Field(
-        None, description="SFT steps for the built-in policy (None: its default budget)."
-    )
-    builtin_seed: int = Field(0, description="Seed of the built-in policy's build.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Parameter dtype of learner and generators."
     )
