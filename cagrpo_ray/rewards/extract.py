@@ -1,0 +1,100 @@
+"""Pull the final answer or the code out of a response.
+
+Every function here runs in time linear in the response length (string searches and one pass
+over the braces, no backtracking patterns), so a megabyte of unterminated tags or braces costs
+milliseconds, not the verifier's whole time budget.
+"""
+
+from __future__ import annotations
+
+import re
+
+
+def extract_tagged(text: str, tag: str = "answer") -> str | None:
+    """Content of the last complete `<tag>...</tag>` in `text`, stripped; None if there is none.
+
+    "Last complete" means: the last closing tag, and the nearest opening tag before it, so
+    `<answer>1</answer> <answer>2</answer>` gives "2" and an unterminated `<answer>3` is ignored.
+    """
+    opening, closing = f"<{tag}>", f"</{tag}>"
+    end = text.rfind(closing)
+    if end < 0:
+        return None
+    start = text.rfind(opening, 0, end)
+    if start < 0:
+        return None
+    return text[start + len(opening) : end].strip()
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, with nested braces.
+
+    `\\boxed{\\frac{1}{2}}` gives `\\frac{1}{2}`; a box whose braces never close is skipped in
+    favour of the previous one; None if no box closes.
+    """
+    starts = [m.end() - 1 for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    if not starts:
+        return None
+    closing = _matching_braces(text)
+    for open_brace in reversed(starts):
+        if open_brace in closing:
+            return text[open_brace + 1 : closing[open_brace]].strip()
+    return None
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The response's final answer: the answer tag's content, a box inside it or in the text.
+
+    Order: a `\\boxed{}` inside the last answer tag, else the answer tag's content, else the last
+    `\\boxed{}` anywhere. None when the response commits to no answer.
+    """
+    tagged = extract_tagged(text, "answer")
+    if tagged is not None:
+        boxed = extract_boxed(tagged)
+        return boxed if boxed is not None else tagged
+    return extract_boxed(text)
+
+
+def extract_code(text: str) -> str | None:
+    """Python source from a response: the last fenced block, searched in the answer tag first.
+
+    Fences tagged `python`, `py`, `python3` or untagged count; a block in another language does
+    not. Without any fence, the answer tag's content is taken as the code. None otherwise.
+    """
+    tagged = extract_tagged(text, "answer")
+    for scope in (tagged, text):
+        if scope is not None:
+            block = _last_python_block(scope)
+            if block is not None:
+                return block
+    return tagged if tagged else None
+
+
+def _matching_braces(text: str) -> dict[int, int]:
+    """Position of each unescaped `{` that closes -> position of its `}` (one pass)."""
+    stack: list[int] = []
+    closing: dict[int, int] = {}
+    for match in re.finditer(r"(?<!\\)[{}]", text):
+        if match.group() == "{":
+            stack.append(match.start())
+        elif stack:
+            closing[stack.pop()] = match.start()
+    return closing
+
+
+def _last_python_block(text: str) -> str | None:
+    fences = _find_all(text, "```")
+    # Fences pair up from the start: 0 opens, 1 closes, 2 opens, ...
+    for open_fence, close_fence in reversed(list(zip(fences[0::2], fences[1::2], strict=False))):
+        header, _, body = text[open_fence + 3 : close_fence].partition("\n")
+        if header.strip().lower() in ("python", "py", "python3", ""):
+            return body
+    return None
+
+
+def _find_all(text: str, needle: str) -> list[int]:
+    positions, start = [], text.find(needle)
+    while start >= 0:
+        positions.append(start)
+        start = text.find(needle, start + len(needle))
+    return positions

@@ -1,0 +1,188 @@
+"""The verifiers: each maps one response and its prompt item to a score, usually in [0, 1].
+
+A verifier is a plain function `(response: str, item: dict) -> float`; `item` is a
+`PromptItem` as a dict (`uid`, `question`, `answer`, `metadata`). They run inside the reward
+pool's worker processes (`cagrpo_ray/rewards/pool.py`), which enforce the per-call timeout, so
+none of them carries a timeout of its own; math-verify's signal-based timeouts are off.
+
+Task verifiers (their verdict is the accuracy metric: score >= 1 is correct) are
+`reasoning_gym`, `math`, `code`, and `task`, which picks one of the three per item.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cagrpo_ray.rewards.extract import extract_code, extract_final_answer, extract_tagged
+from cagrpo_ray.rewards.sandbox import SandboxLimits, outputs_match, run_solution
+
+Verifier = Callable[[str, dict], float]
+
+TASK_VERIFIERS = frozenset({"reasoning_gym", "math", "code", "task"})
+
+
+def verify_reasoning_gym(response: str, item: dict) -> float:
+    """The reasoning_gym dataset's own `score_answer` on the `<answer>` tag's content.
+
+    The dataset is `item["metadata"]["source_dataset"]`. Datasets whose scoring reads their
+    config (e.g. `decimal_arithmetic`, `puzzle24`, `time_intervals`) take it from
+    `item["metadata"]["dataset_config"]` when present, else use their default config.
+    """
+    metadata = item.get("metadata") or {}
+    name = metadata.get("source_dataset")
+    if not name:
+        raise ValueError(
+            f"item {item.get('uid')!r} has no metadata['source_dataset']; the reasoning_gym "
+            "verifier needs the dataset name (use 'math' or 'code' for other items)"
+        )
+    config = json.dumps(metadata.get("dataset_config") or {}, sort_keys=True)
+    score_answer = _reasoning_gym_scorer(name, config)
+    entry = {"question": item.get("question", ""), "answer": item["answer"], "metadata": metadata}
+    return float(score_answer(extract_tagged(response, "answer"), entry))
+
+
+@functools.lru_cache(maxsize=256)
+def _reasoning_gym_scorer(name: str, config_json: str) -> Callable[[Any, dict], float]:
+    from reasoning_gym.factory import DATASETS
+
+    if name not in DATASETS:
+        raise ValueError(f"reasoning_gym has no dataset {name!r}; known: {len(DATASETS)} names")
+    dataset_cls, config_cls = DATASETS[name]
+    return dataset_cls(config=config_cls(**json.loads(config_json))).score_answer
+
+
+def verify_math(response: str, item: dict) -> float:
+    """math-verify equivalence of the final answer (boxed or tagged) and `item["answer"]`.
+
+    Both sides are parsed as the content of a `\\boxed{}`, with LaTeX and plain-expression
+    extraction, so `\\frac{1}{2}`, `1/2` and `0.5` agree, as do `1,000` and `1000`. 1.0 or 0.0.
+    """
+    answer = extract_final_answer(response)
+    if not answer:
+        return 0.0
+    from math_verify import verify
+
+    gold = _parse_reference(str(item["answer"]))
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {item['answer']!r}")
+    return 1.0 if verify(gold, _parse_math(answer), timeout_seconds=None) else 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_reference(text: str) -> list:
+    return _parse_math(text)  # a GRPO group scores G responses against one reference
+
+
+def _parse_math(text: str) -> list:
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" notices
+    return parse(
+        "\\boxed{" + text + "}",
+        extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+        parsing_timeout=None,
+    )
+
+
+def verify_format(response: str, item: dict) -> float:
+    """1.0 when the response is `<think>...</think>` then `<answer>...</answer>`, else 0.0.
+
+    The R1 format reward (`^<think>.*?</think>\\s*<answer>.*?</answer>$`), made strict: exactly
+    one of each tag, think first, answer after it, only whitespace around and between them.
+    Special tokens the engine left at the end of the text (`</s>`, `<|im_end|>`, ...) are
+    ignored.
+    """
+    text = _strip_trailing_special_tokens(response)
+    tags = ("<think>", "</think>", "<answer>", "</answer>")
+    if any(text.count(tag) != 1 for tag in tags):
+        return 0.0
+    think_open, think_close, answer_open, answer_close = (text.find(tag) for tag in tags)
+    ordered = think_open == 0 and think_open < think_close < answer_open < answer_close
+    if not ordered or text[think_close + len("</think>") : answer_open].strip():
+        return 0.0
+    return 1.0 if answer_close + len("</answer>") == len(text) else 0.0
+
+
+def _strip_trailing_special_tokens(text: str) -> str:
+    text = text.strip()
+    while True:
+        if text.endswith(("</s>", "<eos>", "<pad>")):
+            text = text[: text.rfind("<")].rstrip()
+        elif text.endswith("|>") and "<|" in text[-64:]:
+            text = text[: text.rfind("<|")].rstrip()
+        else:
+            return text
+
+
+def verify_code(response: str, item: dict, limits: SandboxLimits | None = None) -> float:
+    """Fraction of the item's test cases that the response's Python solution passes.
+
+    The code is the last fenced Python block (or the answer tag's content), run once in the
+    sandbox (`cagrpo_ray/rewards/sandbox.py`) under `limits`. Test cases, in
+    `item["metadata"]` (a list or its JSON string):
+
+    - `test_cases`: `[{"input": stdin, "output": expected stdout}, ...]`, or the APPS shape
+      `{"inputs": [...], "outputs": [...]}`; outputs compare token by token, whitespace aside;
+    - `tests`: assert statements run after the solution, e.g. `["assert add(1, 2) == 3"]`.
+    """
+    inputs, expected, asserts = code_tests(item)
+    code = extract_code(response)
+    if code is None:
+        return 0.0
+    run = run_solution(code, inputs, asserts, limits)
+    passed = sum(
+        status == "ok" and outputs_match(output, want)
+        for status, output, want in zip(run.case_status, run.outputs, expected, strict=True)
+    )
+    passed += sum(status == "ok" for status in run.assert_status)
+    return passed / (len(inputs) + len(asserts))
+
+
+def code_tests(item: dict) -> tuple[list[str], list[str], list[str]]:
+    """(stdin inputs, expected outputs, assert statements) of a code item; raises if none."""
+    metadata = item.get("metadata") or {}
+    cases = _maybe_json(metadata.get("test_cases")) or []
+    if isinstance(cases, dict):
+        cases = [
+            {"input": i, "output": o}
+            for i, o in zip(cases.get("inputs", []), cases.get("outputs", []), strict=True)
+        ]
+    inputs = [str(case["input"]) for case in cases]
+    expected = [str(case["output"]) for case in cases]
+    asserts = [str(test) for test in (_maybe_json(metadata.get("tests")) or [])]
+    if not inputs and not asserts:
+        raise ValueError(
+            f"item {item.get('uid')!r} has no metadata['test_cases'] or metadata['tests']; "
+            "the code verifier needs at least one test"
+        )
+    return inputs, expected, asserts
+
+
+def _maybe_json(value):
+    return json.loads(value) if isinstance(value, str) else value
+
+
+def verify_task(response: str, item: dict, code_limits: SandboxLimits | None = None) -> float:
+    """The task verifier that fits the item: reasoning_gym items (with `source_dataset`) by
+    their dataset, items with test cases by running code, everything else by math-verify."""
+    metadata = item.get("metadata") or {}
+    if metadata.get("source_dataset"):
+        return verify_reasoning_gym(response, item)
+    if metadata.get("test_cases") or metadata.get("tests"):
+        return verify_code(response, item, code_limits)
+    return verify_math(response, item)
+
+
+def builtin_verifiers(code_limits: SandboxLimits | None = None) -> dict[str, Verifier]:
+    """Name -> verifier for every verifier this package defines, code ones under `code_limits`."""
+    return {
+        "reasoning_gym": verify_reasoning_gym,
+        "math": verify_math,
+        "format": verify_format,
+        "code": functools.partial(verify_code, limits=code_limits),
+        "task": functools.partial(verify_task, code_limits=code_limits),
+    }
