@@ -1,0 +1,40 @@
+"""Prompt formatting through the tokenizer's chat template, with the R1-style instruction."""
+
+from __future__ import annotations
+
+R1_INSTRUCTION = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The Assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., "
+    "<think> reasoning process here </think><answer> answer here </answer>."
+)
+
+# For tokenizers without a chat template (base models): DeepSeek-R1-Zero's plain template.
+PLAIN_TEMPLATE = "{instruction}User: {question}\nAssistant:"
+
+
+def format_prompt_text(tokenizer, question: str, instruction: str | None = R1_INSTRUCTION) -> str:
+    """The prompt text: `question` as the user turn, `instruction` as the system turn.
+
+    The chat template decides how (and whether) the system turn is rendered: the small
+    character-level policies' template leaves it out, because they were trained without it
+    (see `cagrpo_ray/policies/tokenizer.py`). The text ends with the template's generation
+    prompt, so that the response starts at the assistant's first token (`<think>`).
+    """
+    if tokenizer.chat_template is None:
+        prefix = f"{instruction}\n" if instruction else ""
+        return PLAIN_TEMPLATE.format(instruction=prefix, question=question)
+    messages = [{"role": "user", "content": question}]
+    if instruction:
+        messages.insert(0, {"role": "system", "content": instruction})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def format_prompt(tokenizer, question: str, instruction: str | None = R1_INSTRUCTION) -> list[int]:
+    """Token ids of `format_prompt_text(tokenizer, question, instruction)`.
+
+    Encoded without adding special tokens again: the chat template writes its own bos.
+    """
+    text = format_prompt_text(tokenizer, question, instruction)
+    return tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
