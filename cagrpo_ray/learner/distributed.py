@@ -1,0 +1,155 @@
+"""torch.distributed and DeepSpeed set-up for one data-parallel learner rank.
+
+A learner rank joins its data-parallel group through the environment variables that
+torch.distributed's `env://` rendezvous reads (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+with gloo on the CPU and NCCL on GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+# Large enough that DeepSpeed never prints its own progress lines between our metrics.
+_NEVER = 1 << 62
+
+
+def default_backend() -> str:
+    """`nccl` where CUDA is usable, `gloo` otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_data_parallel(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    timeout_s: float = 600.0,
+) -> None:
+    """Join (or reuse) the default process group of `world_size` learner ranks.
+
+    A process that already belongs to a group of the same size reuses it, so that several
+    learners can be built one after another in one process (world size 1, in tests).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"this process already is rank {dist.get_rank()} of {dist.get_world_size()}, "
+                f"cannot become rank {rank} of {world_size}"
+            )
+        return
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=os.environ.get("LOCAL_RANK", "0"),
+        MASTER_ADDR=master_addr,
+        MASTER_PORT=str(master_port),
+    )
+    deepspeed.init_distributed(
+        dist_backend=default_backend(),
+        auto_mpi_discovery=False,
+        verbose=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        rank=rank,
+        world_size=world_size,
+    )
+
+
+def deepspeed_config(
+    zero_stage: int,
+    micro_batch_size: int,
+    world_size: int,
+    grad_clip: float,
+    bf16: bool,
+) -> dict:
+    """DeepSpeed config for one optimizer step per `train_step`.
+
+    Gradient accumulation is driven by the learner (it marks the accumulation boundary itself,
+    since the number of micro-batches depends on each batch), so DeepSpeed's own
+    `gradient_accumulation_steps` stays 1 and never rescales the loss.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {zero_stage!r}")
+    zero: dict = {"stage": zero_stage}
+    if zero_stage == 3:
+        # Gather on demand, never keep small parameters whole on every rank: the ranks then
+        # agree on every parameter bit for bit after each step.
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch_size * world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": False},
+        "steps_per_print": _NEVER,
+        "wall_clock_breakdown": False,
+    }
+
+
+def data_parallel_group():
+    """The default process group when there are several ranks, else None (no communication)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce over the learner ranks (a no-op when there is one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(tensor, op=reduce_op[op])
+    return tensor
+
+
+class RankReducer:
+    """Scalars combined over micro-batches and then over ranks, in three all-reduces at the end
+    of a step (sums, maxima, minima) instead of one per value.
+
+    `mean(name, value, weight)` gives sum(value * weight) / sum(weight), e.g. token-weighted.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sums: dict[str, torch.Tensor] = {}
+        self._max: dict[str, torch.Tensor] = {}
+        self._min: dict[str, torch.Tensor] = {}
+        self._means: set[str] = set()
+
+    def _scalar(self, value) -> torch.Tensor:
+        return torch.as_tensor(value, device=self.device).detach().to(torch.float64)
+
+    def sum(self, name: str, value) -> None:
+        self._sums[name] = self._sums.get(name, 0.0) + self._scalar(value)
+
+    def mean(self, name: str, value, weight) -> None:
+        self._means.add(name)
+        weight = self._scalar(weight)
+        self.sum(name, self._scalar(value) * weight)
+        self.sum(f"{name}\0weight", weight)
+
+    def max(self, name: str, value) -> None:
+        value = self._scalar(value)
+        self._max[name] = torch.maximum(self._max.get(name, value), value)
+
+    def min(self, name: str, value) -> None:
+        value = self._scalar(value)
+        self._min[name] = torch.minimum(self._min.get(name, value), value)
+
+    def reduce(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for table, op in ((self._sums, "sum"), (self._max, "max"), (self._min, "min")):
+            if table:
+                # Sorted: every rank must send the same names in the same order.
+                names = sorted(table)
+                values = all_reduce_(torch.stack([table[n] for n in names]), op).tolist()
+                out.update(zip(names, values, strict=True))
+        for name in self._means:
+            weight = out.pop(f"{name}\0weight")
+            out[name] = out[name] / weight if weight > 0 else 0.0
+        return out

@@ -1,0 +1,520 @@
+"""One data-parallel learner rank: a DeepSpeed engine around the policy and its update step.
+
+`Learner` is a plain class; `cagrpo_ray.learner.group` runs m of them as Ray actors. Every rank
+receives its shard of the learner batch (whole prompt groups, see docs/architecture.md) and
+takes part in every collective, so all ranks call the same methods in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import deepspeed
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cagrpo_ray.algo import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    entropy_from_logits,
+    group_advantages,
+    logprobs_from_logits,
+    policy_loss,
+    prepare_loss_inputs,
+)
+from cagrpo_ray.learner.distributed import (
+    RankReducer,
+    all_reduce_,
+    data_parallel_group,
+    deepspeed_config,
+    init_data_parallel,
+)
+
+BATCH_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "behavior_logprobs",
+    "rewards",
+    "group_ids",
+)
+
+_CHECKPOINT_TAG = "learner"
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only, so left or right padding gives the same ids."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def group_sizes(group_ids: torch.Tensor) -> torch.Tensor:
+    """Sizes of the contiguous runs of equal ids; raises if a group id reappears later."""
+    ids, counts = torch.unique_consecutive(group_ids, return_counts=True)
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("group_ids must be contiguous: each prompt group's rows in one run")
+    return counts
+
+
+def check_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Raise a ValueError naming the first key that breaks the learner batch contract."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+        raise ValueError(f"learner batch is missing {missing}; it needs {list(BATCH_KEYS)}")
+    rows, width = batch["input_ids"].shape
+    for key in ("attention_mask", "response_mask", "behavior_logprobs"):
+        if tuple(batch[key].shape) != (rows, width):
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(rows, width)} "
+                "like input_ids"
+            )
+    for key in ("rewards", "group_ids"):
+        if tuple(batch[key].shape) != (rows,):
+            raise ValueError(
+                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(rows,)}"
+            )
+    if rows == 0:
+        raise ValueError("learner batch has no rows")
+    return batch
+
+
+class Learner:
+    """One rank of the data-parallel policy learner (DeepSpeed ZeRO stage 0 to 3).
+
+    One `train_step` is one optimizer step on the rank's shard of the batch; the loss is
+    normalized over the whole batch across ranks, so the update does not depend on how the
+    batch is cut into micro-batches and ranks.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        zero_stage: int = 2,
+        lr: float = 1e-4,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        micro_batch_size: int = 32,
+        policy_loss: str = "cagrpo",
+        clip_eps_low: float = 0.2,
+        clip_eps_high: float = 0.2,
+        loss_agg: str = "token-mean",
+        cov_scope: str = "group",
+        std_normalize: bool = True,
+        temperature: float = 1.0,
+        ref_model_path: str | None = None,
+        kl_coef: float = 0.0,
+        entropy_coef: float = 0.0,
+        tis_cap: float | None = None,
+        max_response_length: int | None = None,
+        seed: int = 0,
+        bf16: bool | None = None,
+        num_threads: int = 1,
+        dist_timeout_s: float = 600.0,
+    ) -> None:
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        if policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"policy_loss {policy_loss!r} is not one of {', '.join(POLICY_LOSSES)}"
+            )
+        if loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg {loss_agg!r} is not one of {', '.join(LOSS_AGG_MODES)}")
+        if cov_scope not in ("group", "batch"):
+            raise ValueError(f"cov_scope {cov_scope!r} is not one of group, batch")
+        if kl_coef > 0 and ref_model_path is None:
+            raise ValueError("kl_coef > 0 needs ref_model_path (the frozen reference policy)")
+        if tis_cap is not None and tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive or None (off), got {tis_cap}")
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.model_path = str(model_path)
+        self.rank, self.world_size = rank, world_size
+        self.zero_stage = zero_stage
+        self.micro_batch_size = micro_batch_size
+        self.temperature = temperature
+        self.loss_name = policy_loss
+        self.loss_kwargs = dict(
+            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg
+        )
+        self.cov_scope = cov_scope
+        self.std_normalize = std_normalize
+        self.max_response_length = max_response_length
+        self.seed = seed
+        self.kl_coef, self.entropy_coef, self.tis_cap = kl_coef, entropy_coef, tis_cap
+        self.step = 0
+
+        init_data_parallel(rank, world_size, master_addr, master_port, dist_timeout_s)
+        self._seed_everything(seed)
+        use_bf16 = torch.cuda.is_available() if bf16 is None else bf16
+        self.ds_config = deepspeed_config(
+            zero_stage, micro_batch_size, world_size, grad_clip, use_bf16
+        )
+        model = self._load_model(self.model_path, trainable=True)
+        # No weight decay on biases and norms, as usual for transformers.
+        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=lr,
+        )
+        # Linear warm-up from lr / warmup_steps on the first step to lr, then constant.
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+        )
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
+        )
+        self.device = self.engine.device
+        self.ref_model = None
+        if ref_model_path is not None:
+            self.ref_model = self._reference_model(str(ref_model_path))
+
+    # ----------------------------------------------------------------------------- set-up
+
+    def _seed_everything(self, seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
+        dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+        # Every rank loads the whole model into host memory; under ZeRO-3 deepspeed.initialize
+        # then partitions it. (Building it already partitioned needs transformers'
+        # HfDeepSpeedConfig, which requires the accelerate package.)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model.config.use_cache = False
+        model.train(trainable)
+        if not trainable:
+            model.requires_grad_(False)
+        return model
+
+    def _reference_model(self, path: str) -> torch.nn.Module:
+        model = self._load_model(path, trainable=False)
+        if self.zero_stage == 3:
+            config = {
+                "train_micro_batch_size_per_gpu": self.micro_batch_size,
+                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "bf16": self.ds_config["bf16"],
+                "steps_per_print": self.ds_config["steps_per_print"],
+            }
+            engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+            return engine
+        return model.to(self.device)
+
+    # ----------------------------------------------------------------------------- forward
+
+    def _micro_batches(self, num_rows: int) -> list[torch.Tensor]:
+        """Row indices of each micro-batch; the same number on every rank (ZeRO's collectives
+        run inside forward and backward, so every rank must run as many of them)."""
+        count = torch.tensor([math.ceil(num_rows / self.micro_batch_size)], device=self.device)
+        count = int(all_reduce_(count, "max").item())
+        return list(torch.arange(num_rows).tensor_split(count))
+
+    def _logits(self, model, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        attention_mask = batch["attention_mask"][rows]
+        # Cut the padding columns that no row of this micro-batch uses.
+        width = int(attention_mask.any(0).nonzero().max().item()) + 1
+        attention_mask = attention_mask[:, :width]
+        out = model(
+            input_ids=batch["input_ids"][rows, :width],
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+        )
+        return out.logits
+
+    # ----------------------------------------------------------------------------- update
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step on this rank's shard of the learner batch.
+
+        batch: the learner batch of docs/architecture.md (keys `BATCH_KEYS`, whole prompt
+        groups of one size). Every rank must call it, each with its own shard. Returns
+        metrics that are equal on every rank (reduced over micro-batches and ranks).
+        """
+        start = time.perf_counter()
+        batch = self._to_device(check_batch(batch))
+        mask = batch["response_mask"]
+        micro = self._micro_batches(mask.shape[0])
+        reducer = RankReducer(self.device)
+        tokens = mask.sum()
+        reducer.sum("learner/tokens", tokens)
+        reducer.sum("learner/responses", mask.shape[0])
+
+        # (1) Proximal log-probs under the current weights: the ratio's denominator, and what
+        # the loss's batch statistics (kernel weights, Clip-Cov/KL-Cov selections) are taken on.
+        old_logprobs, entropy, ref_logprobs = self._score(batch, micro)
+        mismatch = (old_logprobs - batch["behavior_logprobs"]).abs()[mask]
+        reducer.mean("logprob/mismatch_mean", mismatch.mean() if tokens else 0.0, tokens)
+        reducer.max("logprob/mismatch_max", mismatch.max() if tokens else 0.0)
+        reducer.mean("entropy/mean", entropy[mask].mean() if tokens else 0.0, tokens)
+        is_weights = self._tis_weights(old_logprobs, batch["behavior_logprobs"], mask, reducer)
+
+        # (2) Group-relative advantages; groups are whole on this rank.
+        sizes = group_sizes(batch["group_ids"])
+        if sizes.unique().numel() != 1:
+            raise ValueError(f"prompt groups must have one size, got {sizes.unique().tolist()}")
+        advantages = group_advantages(batch["rewards"], int(sizes[0]), self.std_normalize)
+        reducer.mean("reward/mean", batch["rewards"].mean(), mask.shape[0])
+        reducer.mean("advantage/abs_mean", advantages.abs().mean(), mask.shape[0])
+
+        # (3) Batch statistics and normalisers, once over the whole batch on all ranks.
+        process_group = data_parallel_group()
+        prepared = prepare_loss_inputs(
+            self.loss_name,
+            old_logprobs,
+            advantages,
+            mask,
+            batch["group_ids"],
+            cov_scope=self.cov_scope,
+            seed=self.seed * 1_000_003 + self.step,
+            max_response_length=self._max_response_length(mask),
+            process_group=process_group,
+        )
+        for name, value in prepared.metrics.items():
+            self._reduce_batch_metric(reducer, name, value, tokens)
+
+        # (4) Micro-batches: each backward adds its share of the batch loss to the gradients.
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        for index, rows in enumerate(micro):
+            padding = rows.numel() == 0
+            if padding:  # another rank has more micro-batches; ZeRO needs as many passes here
+                rows = torch.zeros(1, dtype=torch.long)
+            self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
+            logits = self._logits(self.engine, batch, rows)
+            logprobs = self._token_logprobs(logits, batch["input_ids"][rows], mask.shape[1])
+            if is_weights is not None:
+                # Same value, gradient scaled per token by the truncated IS weight.
+                logprobs = logprobs.detach() + is_weights[rows] * (logprobs - logprobs.detach())
+            out = policy_loss(
+                self.loss_name,
+                logprobs,
+                old_logprobs[rows],
+                advantages[rows],
+                mask[rows],
+                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                kl_coef=self.kl_coef,
+                entropy=self._token_entropy(logits, mask.shape[1]) if self.entropy_coef else None,
+                entropy_coef=self.entropy_coef,
+                prepared=prepared.rows(rows),
+                **self.loss_kwargs,
+            )
+            loss = out.loss * 0.0 if padding else out.loss
+            if not padding:
+                for name, value in out.metrics.items():
+                    if name not in prepared.metrics and name != "entropy/mean":
+                        self._reduce_micro_batch_metric(reducer, name, value, mask[rows].sum())
+            # The loss is already divided by the global token count; DeepSpeed averages the
+            # gradients over ranks, which the factor world_size undoes.
+            self.engine.backward(loss * self.world_size)
+        grad_norm = self._grad_norm_before_step()
+        self.engine.step()
+        self.step += 1
+
+        metrics = reducer.reduce()
+        metrics.update(
+            {
+                "grad_norm": grad_norm if grad_norm is not None else self._grad_norm_after_step(),
+                "lr": lr,
+                "learner/step": float(self.step),
+                "time/train_step_s": time.perf_counter() - start,
+            }
+        )
+        return metrics
+
+    @staticmethod
+    def _reduce_micro_batch_metric(reducer: RankReducer, name: str, value: float, tokens) -> None:
+        """policy_loss's per-call metrics: loss shares and counts add up over micro-batches
+        and ranks, maxima take the max, the rest are token-weighted means."""
+        if name in ("loss/total", "policy/loss", "policy/tokens"):
+            reducer.sum(name, value)
+        elif name.endswith("_max"):
+            reducer.max(name, value)
+        else:
+            reducer.mean(name, value, tokens)
+
+    @staticmethod
+    def _reduce_batch_metric(reducer: RankReducer, name: str, value: float, tokens) -> None:
+        """prepare_loss_inputs' statistics are per rank: min and max combine exactly, means
+        (and quantiles, approximately) token-weighted."""
+        if name.endswith("_min"):
+            reducer.min(name, value)
+        elif name.endswith("_max"):
+            reducer.max(name, value)
+        else:
+            reducer.mean(name, value, tokens)
+
+    def _tis_weights(self, proximal, behavior, mask, reducer: RankReducer):
+        """Truncated importance weights min(pi_prox / pi_behavior, cap) per token, or None.
+
+        They correct for data sampled by an older (or numerically different) policy, as in
+        decoupled PPO: each token's gradient is multiplied by its weight.
+        """
+        if self.tis_cap is None:
+            return None
+        raw = torch.exp((proximal - behavior).clamp(max=20.0)) * mask
+        weights = raw.clamp(max=self.tis_cap)
+        tokens = mask.sum()
+        reducer.mean("tis/weight_mean", weights[mask].mean() if tokens else 0.0, tokens)
+        truncated = (raw > self.tis_cap)[mask].float()
+        reducer.mean("tis/truncated_frac", truncated.mean() if tokens else 0.0, tokens)
+        return weights
+
+    def _max_response_length(self, mask: torch.Tensor) -> int:
+        """Dr.GRPO's constant L: the configured one, else the longest response in the batch."""
+        if self.max_response_length is not None:
+            return self.max_response_length
+        longest = mask.sum(1).max().reshape(1)
+        return int(all_reduce_(longest, "max").item())
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {k: v.to(self.device) for k, v in batch.items() if k in BATCH_KEYS}
+        out["response_mask"] = out["response_mask"].bool()
+        out["behavior_logprobs"] = out["behavior_logprobs"].float()
+        out["rewards"] = out["rewards"].float()
+        return out
+
+    def _token_logprobs(self, logits, input_ids, width: int) -> torch.Tensor:
+        """[b, width] log-probs at the token (column 0 and columns past the logits are 0)."""
+        targets = input_ids[:, 1 : logits.shape[1]]
+        values = logprobs_from_logits(self._tempered(logits[:, :-1]), targets)
+        return F.pad(values, (1, width - logits.shape[1]))
+
+    def _token_entropy(self, logits, width: int) -> torch.Tensor:
+        """[b, width] entropy of the distribution each token was sampled from."""
+        values = entropy_from_logits(self._tempered(logits[:, :-1]))
+        return F.pad(values, (1, width - logits.shape[1]))
+
+    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.temperature == 1.0 else logits / self.temperature
+
+    @torch.no_grad()
+    def _score(self, batch, micro):
+        """Recomputed log-probs, token entropies, and reference log-probs (None without a
+        reference policy), each [B, L], under no_grad, micro-batch by micro-batch."""
+        width = batch["input_ids"].shape[1]
+        logprobs = torch.zeros_like(batch["behavior_logprobs"])
+        entropy = torch.zeros_like(logprobs)
+        ref = torch.zeros_like(logprobs) if self.ref_model is not None else None
+        for rows in micro:
+            rows = rows if rows.numel() else torch.zeros(1, dtype=torch.long)
+            ids = batch["input_ids"][rows]
+            logits = self._logits(self.engine, batch, rows)
+            logprobs[rows] = self._token_logprobs(logits, ids, width)
+            entropy[rows] = self._token_entropy(logits, width)
+            if ref is not None:
+                ref[rows] = self._token_logprobs(
+                    self._logits(self.ref_model, batch, rows), ids, width
+                )
+        return logprobs, entropy, ref
+
+    def _grad_norm_before_step(self) -> float | None:
+        """Stage 0 only: the global norm of the averaged gradients before clipping (ZeRO
+        optimizers report it themselves in `_grad_norm_after_step`)."""
+        if self.zero_stage != 0:
+            return None
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+
+    def _grad_norm_after_step(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    # ----------------------------------------------------------------------------- weights
+
+    def iter_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, full tensor) on rank 0, for the weight broadcast.
+
+        Every rank must iterate to the end: under ZeRO-3 each parameter is gathered from all
+        ranks in turn. Other ranks yield nothing. Tied weights appear once (under the name of
+        the embedding), as `load_weights` of vLLM and `load_state_dict(strict=False)` expect.
+        The tensors are copies under ZeRO-3 (the gathered storage is freed after each one) and
+        the live parameters otherwise, so a consumer that keeps them must copy them.
+        """
+        for name, param in self.engine.module.named_parameters():
+            if self.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([param]):
+                    if self.rank == 0:
+                        yield name, param.detach().clone()
+            elif self.rank == 0:
+                yield name, param.detach()
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        """All of `iter_sync_weights` as one CPU dict on rank 0 (empty on other ranks)."""
+        return {name: t.to("cpu", copy=True) for name, t in self.iter_sync_weights()}
+
+    def save_hf(self, out_dir: str | Path) -> Path:
+        """Write the current policy in the Hugging Face layout (config, safetensors, tokenizer,
+        generation config), loadable by transformers and vLLM. Every rank must call it; rank 0
+        writes."""
+        out = Path(out_dir)
+        state = self.state_dict_for_sync()
+        if self.rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
+        self._barrier()
+        return out
+
+    # ----------------------------------------------------------------------------- checkpoints
+
+    def save_checkpoint(self, ckpt_dir: str | Path, client_state: dict | None = None) -> None:
+        """Save model, optimizer and lr-scheduler state (DeepSpeed layout), the step, the
+        caller's `client_state`, and this rank's RNG states. Every rank must call it."""
+        ckpt = Path(ckpt_dir)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        state = {"learner_step": self.step, "client_state": dict(client_state or {})}
+        self.engine.save_checkpoint(str(ckpt), tag=_CHECKPOINT_TAG, client_state=state)
+        torch.save(self._rng_state(), ckpt / f"rng_rank{self.rank}.pt")
+        self._barrier()
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> dict:
+        """Restore what `save_checkpoint` wrote (same world size and ZeRO stage); returns the
+        caller's `client_state`. Every rank must call it."""
+        ckpt = Path(ckpt_dir)
+        if not (ckpt / _CHECKPOINT_TAG).is_dir():
+            raise FileNotFoundError(f"no learner checkpoint in {ckpt} (missing {_CHECKPOINT_TAG}/)")
+        path, state = self.engine.load_checkpoint(str(ckpt), tag=_CHECKPOINT_TAG)
+        if path is None:
+            raise RuntimeError(f"DeepSpeed could not load the learner checkpoint in {ckpt}")
+        self.step = int(state["learner_step"])
+        self._set_rng_state(torch.load(ckpt / f"rng_rank{self.rank}.pt", weights_only=False))
+        return state["client_state"]
+
+    def _rng_state(self) -> dict:
+        state = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def _set_rng_state(self, state: dict) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
