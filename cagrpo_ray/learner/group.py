@@ -1,0 +1,212 @@
+"""LearnerGroup: m data-parallel `Learner` ranks as Ray actors, driven as one learner.
+
+The group cuts each learner batch into one shard per rank, keeping prompt groups whole (the
+advantages and CA-GRPO's group-scope weights are computed inside a group), runs the ranks'
+steps in parallel and returns rank 0's metrics (every rank reports the same, all-reduced,
+numbers). The ranks form one torch.distributed group: if one actor dies, the others would wait
+in a collective forever, so the group kills them and raises `LearnerGroupError`; the caller
+stops with its last checkpoint intact and resumes from it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import RayActorError, RayTaskError
+
+from cagrpo_ray.learner.learner import Learner, group_sizes
+
+
+class LearnerGroupError(RuntimeError):
+    """A learner rank died or failed; the data-parallel group cannot continue."""
+
+
+class LearnerActor:
+    """Thin Ray shell around one `Learner` rank.
+
+    Construction is split in two so that rank 0's node address and a free port are known
+    before any rank joins the process group (joining blocks until all ranks arrive).
+    """
+
+    def __init__(self) -> None:
+        self.learner: Learner | None = None
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """This node's IP and a port that is free on it, for MASTER_ADDR / MASTER_PORT."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def setup(self, **learner_kwargs: Any) -> None:
+        os.environ.update(
+            RANK=str(learner_kwargs["rank"]),
+            WORLD_SIZE=str(learner_kwargs["world_size"]),
+            MASTER_ADDR=str(learner_kwargs["master_addr"]),
+            MASTER_PORT=str(learner_kwargs["master_port"]),
+        )
+        self.learner = Learner(**learner_kwargs)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        return self.learner.train_step(batch)
+
+    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
+        return self.learner.state_dict_for_sync()
+
+    def save_checkpoint(self, ckpt_dir: str, client_state: dict) -> None:
+        self.learner.save_checkpoint(ckpt_dir, client_state)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self.learner.load_checkpoint(ckpt_dir)
+
+    def save_hf(self, out_dir: str) -> str:
+        return str(self.learner.save_hf(out_dir))
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run `fn(learner, *args)` in this actor (e.g. the weight-sync sender on rank 0)."""
+        return fn(self.learner, *args)
+
+
+def split_by_groups(
+    batch: dict[str, torch.Tensor], num_shards: int
+) -> list[dict[str, torch.Tensor]]:
+    """Cut a learner batch into `num_shards` row ranges of whole prompt groups.
+
+    Groups are spread as evenly as possible by count (groups of one batch have one size).
+    Raises if there are fewer groups than shards: a rank with no rows cannot take a step.
+    """
+    sizes = group_sizes(batch["group_ids"]).tolist()
+    if len(sizes) < num_shards:
+        raise ValueError(
+            f"the batch has {len(sizes)} prompt groups, fewer than the {num_shards} learner "
+            f"ranks; send at least {num_shards} groups per step"
+        )
+    ends = np.cumsum([0, *sizes])
+    shards = []
+    for chunk in np.array_split(np.arange(len(sizes)), num_shards):
+        start, stop = int(ends[chunk[0]]), int(ends[chunk[-1] + 1])
+        shards.append({k: v[start:stop] for k, v in batch.items()})
+    return shards
+
+
+class LearnerGroup:
+    """`num_learners` data-parallel `Learner` ranks on Ray, used like one learner.
+
+    learner_kwargs: keyword arguments of `Learner` other than rank, world_size, master_addr
+    and master_port, which the group sets.
+    """
+
+    def __init__(
+        self,
+        num_learners: int,
+        learner_kwargs: dict[str, Any],
+        num_cpus_per_learner: float = 0.5,
+        num_gpus_per_learner: float = 0.0,
+    ) -> None:
+        if num_learners < 1:
+            raise ValueError(f"num_learners must be >= 1, got {num_learners}")
+        reserved = {"rank", "world_size", "master_addr", "master_port"} & set(learner_kwargs)
+        if reserved:
+            raise ValueError(f"learner_kwargs must not set {sorted(reserved)}; the group sets them")
+        threads = max(1, int(num_cpus_per_learner))
+        remote_cls = ray.remote(
+            num_cpus=num_cpus_per_learner,
+            num_gpus=num_gpus_per_learner,
+            max_restarts=0,
+            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
+        )(LearnerActor)
+        self.actors = [remote_cls.remote() for _ in range(num_learners)]
+        master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
+        kwargs = {"num_threads": threads, **learner_kwargs}
+        self._call_all(
+            "setup",
+            per_rank=[
+                dict(
+                    kwargs,
+                    rank=rank,
+                    world_size=num_learners,
+                    master_addr=master_addr,
+                    master_port=master_port,
+                )
+                for rank in range(num_learners)
+            ],
+        )
+
+    @property
+    def num_learners(self) -> int:
+        return len(self.actors)
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step of every rank on its shard of `batch`; returns rank 0's metrics."""
+        shards = split_by_groups(batch, self.num_learners)
+        return self._call_all("train_step", args_per_rank=[(ray.put(s),) for s in shards])[0]
+
+    def collect_sync_weights(self) -> dict[str, torch.Tensor]:
+        """Full parameters by HF name, from rank 0 (every rank takes part in the gathers)."""
+        return self._call_all("state_dict_for_sync")[0]
+
+    def foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """`fn(learner, *args)` on every rank concurrently; the results in rank order."""
+        return self._call_all("apply", args_per_rank=[(fn, *args)] * self.num_learners)
+
+    def save_checkpoint(self, ckpt_dir: str, client_state: dict | None = None) -> None:
+        self._call_all(
+            "save_checkpoint",
+            args_per_rank=[(str(ckpt_dir), client_state or {})] * self.num_learners,
+        )
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict:
+        return self._call_all(
+            "load_checkpoint", args_per_rank=[(str(ckpt_dir),)] * self.num_learners
+        )[0]
+
+    def save_hf(self, out_dir: str) -> str:
+        return self._call_all("save_hf", args_per_rank=[(str(out_dir),)] * self.num_learners)[0]
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+    def _call_all(
+        self,
+        method: str,
+        args_per_rank: list[tuple] | None = None,
+        per_rank: list[dict] | None = None,
+    ) -> list[Any]:
+        """Call `method` on every rank at once and wait for all; fail fast on the first failure.
+
+        Waiting on the ranks one by one would hang on a dead rank's partners, which block in a
+        collective; so the group waits for whichever finishes first and, on a failure, kills
+        the rest before raising.
+        """
+        if not self.actors:
+            raise LearnerGroupError("the learner group was shut down")
+        refs = []
+        for rank, actor in enumerate(self.actors):
+            args = args_per_rank[rank] if args_per_rank else ()
+            kwargs = per_rank[rank] if per_rank else {}
+            refs.append(getattr(actor, method).remote(*args, **kwargs))
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending, results = list(refs), {}
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                results[rank_of[done[0]]] = ray.get(done[0])
+            except (RayActorError, RayTaskError) as err:
+                rank = rank_of[done[0]]
+                died = isinstance(err, RayActorError)
+                self.shutdown()
+                raise LearnerGroupError(
+                    f"learner rank {rank} {'died' if died else 'failed'} during {method}(); "
+                    f"the data-parallel group cannot continue without it, so all "
+                    f"{len(refs)} ranks were stopped. Resume from the last checkpoint. "
+                    f"Cause: {err}"
+                ) from err
+        return [results[rank] for rank in range(len(refs))]

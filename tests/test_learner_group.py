@@ -1,0 +1,110 @@
+"""LearnerGroup: two data-parallel ranks on Ray give the update of one rank on the whole batch.
+
+ZeRO stages 0, 2 and 3 each run two learner actors on a local 2-CPU Ray cluster; each result is
+compared with one in-process rank on the whole batch, and the ranks with each other.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import deepspeed
+import pytest
+import ray
+import torch
+import torch.distributed as dist
+from test_learner import TINY, random_batch
+
+from cagrpo_ray.learner.group import LearnerGroup, LearnerGroupError, split_by_groups
+from cagrpo_ray.learner.learner import Learner
+from cagrpo_ray.policies.model import random_policy
+
+LEARNER = dict(lr=1e-3, micro_batch_size=5, policy_loss="cagrpo", cov_scope="batch")
+
+
+@pytest.mark.unit
+def test_split_keeps_groups_whole_and_balanced():
+    batch = random_batch(num_groups=5, group_size=3)
+    shards = split_by_groups(batch, 2)
+    assert [s["group_ids"].tolist() for s in shards] == [
+        [0, 0, 0, 1, 1, 1, 2, 2, 2],
+        [3, 3, 3, 4, 4, 4],
+    ]
+    assert torch.equal(torch.cat([s["input_ids"] for s in shards]), batch["input_ids"])
+    with pytest.raises(ValueError, match="fewer than the 6 learner ranks"):
+        split_by_groups(batch, 6)
+
+
+@pytest.fixture(scope="module")
+def policy_path(tmp_path_factory):
+    return random_policy(tmp_path_factory.mktemp("policy"), seed=0, **TINY)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    # Shards of 16 rows with micro-batches of 5: uneven micro-batches on both ranks.
+    return random_batch(num_groups=8, group_size=4, seed=3)
+
+
+@pytest.fixture(scope="module")
+def one_rank_result(policy_path, batch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    learner = Learner(
+        str(policy_path), rank=0, world_size=1, master_port=port, zero_stage=0, **LEARNER
+    )
+    metrics = learner.train_step(batch)
+    params = learner.state_dict_for_sync()
+    dist.destroy_process_group()
+    return metrics, params
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_result, local_ray):
+    metrics_one, params_one = one_rank_result
+    group = LearnerGroup(
+        2, dict(model_path=str(policy_path), zero_stage=zero_stage, **LEARNER), 1.0
+    )
+    try:
+        metrics = group.train_step(batch)
+        assert metrics["learner/tokens"] == metrics_one["learner/tokens"]
+        assert metrics["loss/total"] == pytest.approx(metrics_one["loss/total"], rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(metrics_one["grad_norm"], rel=1e-5)
+        assert metrics["cagrpo/weight_min"] == pytest.approx(
+            metrics_one["cagrpo/weight_min"], rel=1e-3, abs=1e-9
+        )
+
+        synced = group.collect_sync_weights()
+        assert synced.keys() == params_one.keys()
+        for name, value in synced.items():
+            torch.testing.assert_close(value, params_one[name], rtol=0, atol=0.02 * LEARNER["lr"])
+
+        def full_parameters(learner: Learner) -> dict[str, torch.Tensor]:
+            """Every parameter, whole, on every rank (gathered under ZeRO-3)."""
+            out = {}
+            for name, param in learner.engine.module.named_parameters():
+                with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
+                    out[name] = param.detach().clone()
+            return out
+
+        rank0, rank1 = group.foreach_learner(full_parameters)
+        for name, value in rank0.items():
+            assert torch.equal(value, rank1[name]), name
+            assert torch.equal(value, synced[name]), name
+
+        if zero_stage == 3:
+            # A rank that dies takes the group down with a clear error, not a hang.
+            ray.kill(group.actors[1], no_restart=True)
+            with pytest.raises(LearnerGroupError, match="learner rank 1 died during train_step"):
+                group.train_step(batch)
+    finally:
+        group.shutdown()
