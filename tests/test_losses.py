@@ -257,6 +257,17 @@ def test_extreme_token_is_tamed_and_tiny_spread_is_resolved():
     np.testing.assert_allclose(w.numpy(), want, rtol=1e-4)
 
 
+def test_scope_where_every_kernel_weight_underflows():
+    # c = (1, 1, 1.01, 1.01): sigma = 0.005, so every exp(-c^2 / 2 sigma^2) is below 1e-40000;
+    # w~ is still defined (the weights of a scope may share any factor): (2, 2, 0, 0)
+    logp = torch.tensor([[-1.0], [-3.0], [-0.99], [-3.01]])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    w = cagrpo_token_weights(logp, adv, torch.ones(4, 1), scope="batch")
+    want = reference_weights(logp.numpy(), adv.numpy(), np.ones((4, 1), bool), None, "batch")
+    np.testing.assert_allclose(w.numpy(), want, atol=1e-6)
+    torch.testing.assert_close(w[:, 0], torch.tensor([2.0, 2.0, 0.0, 0.0]))
+
+
 def test_weights_reject_bad_scope_and_missing_groups():
     x = torch.zeros(2, 2)
     with pytest.raises(ValueError, match="group_ids"):

@@ -4,17 +4,21 @@ Nothing here imports the rest of cagrpo_ray; every function is testable in milli
 """
 
 from cagrpo_ray.algo.advantages import group_advantages
+from cagrpo_ray.algo.covariance import (
+    cagrpo_token_weights,
+    clip_cov_selection,
+    kl_cov_selection,
+    token_covariance,
+)
 from cagrpo_ray.algo.entropy import entropy_from_logits, logprobs_from_logits
 from cagrpo_ray.algo.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     PolicyLossOutput,
     PreparedLoss,
-    cagrpo_token_weights,
     policy_loss,
     prepare_loss_inputs,
     register_policy_loss,
-    token_covariance,
 )
 from cagrpo_ray.algo.stats import (
     COVARIANCE_TABLE_FRACTIONS,
@@ -29,10 +33,12 @@ __all__ = [
     "PolicyLossOutput",
     "PreparedLoss",
     "cagrpo_token_weights",
+    "clip_cov_selection",
     "covariance_quantiles",
     "entropy_from_logits",
     "format_covariance_table",
     "group_advantages",
+    "kl_cov_selection",
     "logprobs_from_logits",
     "policy_loss",
     "prepare_loss_inputs",

@@ -62,134 +62,43 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from cagrpo_ray.algo.covariance import (
+    cagrpo_token_weights,
+    clip_cov_selection,
+    kernel_weights,
+    kl_cov_selection,
+    scope_covariance,
+    token_covariance,
+)
 from cagrpo_ray.algo.stats import (
     RowLayout,
     Scope,
     covariance_quantiles,
+    float_mask,
     global_count,
-    global_max,
     masked_quantiles,
-    select_top_k,
 )
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "BatchInputs",
+    "LossInputs",
+    "PolicyLossOutput",
+    "PreparedLoss",
+    "TokenStats",
+    "aggregate",
+    "cagrpo_token_weights",
+    "policy_loss",
+    "ppo_clip",
+    "prepare_loss_inputs",
+    "register_policy_loss",
+    "token_covariance",
+]
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
-SIGMA_FLOOR = 1e-8  # the contract: sigma below this means every weight is 1
-# float32 resolves c to about 1e-7 of its magnitude: a sigma below this fraction of rms(c) is
-# rounding noise around a constant c (e.g. two one-token responses, where c_1 = c_2 exactly).
-SIGMA_RESOLUTION = 1e-5
 LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl does), so exp never overflows
-
-
-# ----------------------------------------------------------------------------------------------
-# Token covariance and the CA-GRPO kernel weights
-# ----------------------------------------------------------------------------------------------
-
-
-def _float_mask(mask: Tensor) -> Tensor:
-    return mask if mask.dtype == torch.float32 else mask.to(torch.float32)
-
-
-def _covariance(logprobs: Tensor, advantages: Tensor, mask: Tensor, scope: Scope):
-    """c [B, T] float32 (0 off the mask) and |S| of each row's scope ([B] float64)."""
-    logp = logprobs.detach().to(torch.float32) * mask  # [B, T]
-    tokens_per_row = mask.sum(1).double()  # [B]
-    size = scope.sum(tokens_per_row)  # |S|
-    # Subtract a log-prob of the scope before averaging: float32 differences then keep their
-    # precision when |log p| is far larger than its spread (e.g. -80 +- 1e-3).
-    ref = scope.min(logp.amin(1))
-    shifted = torch.addcmul(logp, mask, ref[:, None], value=-1.0)  # logp - ref on the mask
-    a = advantages.detach().to(torch.float64)  # [B]
-    sums = scope.sum(torch.stack([shifted.sum(1).double(), tokens_per_row * a], dim=1))
-    mean_shifted = sums[:, 0] / size.clamp(min=1)
-    a_centred = a - sums[:, 1] / size.clamp(min=1)  # A_i - mean_S A
-    centred = torch.addcmul(shifted, mask, mean_shifted.float()[:, None], value=-1.0)
-    return centred.mul_(a_centred.float()[:, None]), size  # c = (logp - mean) * (A - mean)
-
-
-def _kernel_weights(c: Tensor, size: Tensor, mask: Tensor, scope: Scope):
-    """w~ [B, T] from c; also sigma [B] and whether each row's scope is degenerate."""
-    mean_c = scope.sum(c.sum(1).double()) / size.clamp(min=1)
-    deviation = torch.addcmul(c, mask, mean_c.float()[:, None], value=-1.0)
-    var = scope.sum(torch.linalg.vecdot(deviation, deviation).double()) / size.clamp(min=1)
-    sigma = var.sqrt()
-    rms = (var + mean_c**2).sqrt()
-    degenerate = (sigma < SIGMA_FLOOR) | (sigma <= SIGMA_RESOLUTION * rms)
-    # exp(-c^2 / (2 sigma^2)) = 2 ** (c^2 * scale): exp2 is several times faster than exp on CPU.
-    scale = torch.where(degenerate, 0.0, -1.0 / (2.0 * math.log(2.0) * var.clamp(min=1e-300)))
-    w = torch.exp2(c.square().mul_(scale.float()[:, None])).mul_(mask)
-    total = scope.sum(w.sum(1).double())
-    if bool(((total < 1e-30) & (size > 0)).any()):
-        # Every |c| in some scope is far beyond sigma, so every w underflows. w~ does not change
-        # if all w of a scope are multiplied by one constant: divide by the largest.
-        floor = scope.min(torch.where(mask > 0, c.square(), torch.inf).amin(1))
-        w = torch.exp2((c.square() - floor.float()[:, None]).mul_(scale.float()[:, None]))
-        w = w.mul_(mask)
-        total = scope.sum(w.sum(1).double())
-    norm = torch.where(size > 0, size / total.clamp(min=1e-300), 0.0)  # |S| / sum_S w
-    return w.mul_(norm.float()[:, None]), sigma, degenerate
-
-
-def token_covariance(
-    logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    group_ids: Tensor | None = None,
-    scope: str = "group",
-    process_group=None,
-) -> Tensor:
-    """Each token's share of Cov(log pi, A): c_t = (logp_t - mean_S logp) * (A_i - mean_S A).
-
-    Args:
-        logprobs: [B, T] log-probs of the sampled tokens.
-        advantages: [B], one per response, broadcast to its tokens.
-        mask: [B, T] bool or 0/1, the valid (response) tokens.
-        group_ids: [B] prompt group of each response; needed for scope="group".
-        scope: "group" (S = a prompt group's tokens) or "batch" (S = all tokens, all ranks of
-            `process_group`).
-
-    Returns:
-        [B, T] float32, 0 off the mask, no gradient. mean_S c is the covariance over S.
-    """
-    with torch.no_grad():
-        m = _float_mask(mask)
-        s = Scope.of(scope, group_ids, logprobs.shape[0], logprobs.device, process_group)
-        return _covariance(logprobs, advantages, m, s)[0]
-
-
-def cagrpo_token_weights(
-    logprobs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    group_ids: Tensor | None = None,
-    scope: str = "group",
-    process_group=None,
-) -> Tensor:
-    """CA-GRPO's normalized Gaussian-kernel weights w~ (arXiv 2605.11538), without gradient.
-
-    Over the valid tokens S of each scope (each prompt group, or the whole batch):
-
-        c = (logp - mean_S logp) * (A - mean_S A)        (A broadcast to its response's tokens)
-        sigma = population std of c over S (ddof = 0);  sigma < 1e-8: every weight is 1
-        w = exp(-c^2 / (2 sigma^2));  w~ = w * |S| / sum_S w
-
-    Args:
-        logprobs, mask: [B, T] (mask bool or 0/1); advantages: [B], one per response.
-        group_ids: [B] prompt group of each response, needed for scope="group".
-        scope: "group" or "batch".
-        process_group: with scope="batch", the data-parallel group: the sums are all-reduced,
-            so every rank's weights equal those of one process on the whole batch.
-
-    Returns:
-        [B, T] float32 w~, 0 outside the mask. Numerics: computed in float32 with float64
-        scope sums; a sigma below float32's resolution of c (1e-5 * rms_S c) also counts as
-        zero, and scopes where every w would underflow are normalized stably.
-    """
-    with torch.no_grad():
-        m = _float_mask(mask)
-        s = Scope.of(scope, group_ids, logprobs.shape[0], logprobs.device, process_group)
-        c, size = _covariance(logprobs, advantages, m, s)
-        return _kernel_weights(c, size, m, s)[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +146,7 @@ class BatchInputs:
     clip_cov_lb: float
     clip_cov_ub: float
     kl_cov_ratio: float
-    seed: int
+    seed: int | None  # Clip-Cov's draw; None: from torch's default generator
     num_tokens: float  # valid tokens over all ranks
     layout: RowLayout
     process_group: object | None
@@ -256,8 +165,8 @@ def _no_statistics(b: BatchInputs) -> TokenStats:
 
 def _cagrpo_prepare(b: BatchInputs) -> TokenStats:
     scope = Scope.of(b.cov_scope, b.group_ids, b.mask.shape[0], b.mask.device, b.process_group)
-    c, size = _covariance(b.old_logprobs, b.advantages, b.mask, scope)
-    weights, sigma, degenerate = _kernel_weights(c, size, b.mask, scope)
+    cov = scope_covariance(b.old_logprobs, b.advantages, b.mask, scope)
+    weights, sigma, degenerate = kernel_weights(cov, b.mask, scope)
     if not b.diagnostics:
         return TokenStats(token_weights=weights)
     valid = b.mask > 0
@@ -270,31 +179,20 @@ def _cagrpo_prepare(b: BatchInputs) -> TokenStats:
         "cagrpo/weight_mean": float(w.sum()) / n,
         "cagrpo/weight_p01": masked_quantiles(weights, valid, [0.01])[0],
         "cagrpo/weight_frac_below_0.5": float((w < 0.5).sum()) / n,
-        "cagrpo/sigma_mean": float((sigma * tokens_per_row).sum()) / n,
-        "cagrpo/degenerate_frac": float((degenerate * tokens_per_row).sum()) / n,
+        "cagrpo/sigma_mean": float((scope.rows(sigma) * tokens_per_row).sum()) / n,
+        "cagrpo/degenerate_frac": float((scope.rows(degenerate) * tokens_per_row).sum()) / n,
     }
     return TokenStats(token_weights=weights, metrics=metrics)
 
 
-def _uniform_keys(seed: int, layout: RowLayout, shape, device) -> Tensor:
-    """[B, T] uniform numbers fixed by (seed, position in the global batch)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    keys = torch.rand(layout.total_rows, layout.width, generator=g, dtype=torch.float64)
-    B, T = shape
-    return keys[layout.offset : layout.offset + B, :T].to(device)
-
-
 def _clip_cov_prepare(b: BatchInputs) -> TokenStats:
-    """Cui et al.'s Clip-Cov: a random clip_cov_ratio of all tokens, drawn from those whose
-    covariance lies in (clip_cov_lb, clip_cov_ub), give no gradient (weight 0)."""
+    """Cui et al.'s Clip-Cov: the selected tokens get weight 0, so no gradient."""
     scope = Scope.of("batch", None, b.mask.shape[0], b.mask.device, b.process_group)
-    c, _ = _covariance(b.old_logprobs, b.advantages, b.mask, scope)
-    valid = b.mask > 0
-    eligible = valid & (c > b.clip_cov_lb) & (c < b.clip_cov_ub)
-    k = max(int(b.clip_cov_ratio * b.num_tokens), 1)
-    # The k eligible tokens with the smallest random keys: a uniformly random k-subset.
-    keys = _uniform_keys(b.seed, b.layout, c.shape, c.device)
-    chosen = select_top_k(-keys, eligible, k, b.layout, b.process_group)
+    c = scope_covariance(b.old_logprobs, b.advantages, b.mask, scope).c
+    chosen, eligible = clip_cov_selection(
+        c, b.mask, b.clip_cov_ratio, b.clip_cov_lb, b.clip_cov_ub, b.num_tokens, b.seed,
+        b.layout, b.process_group,
+    )  # fmt: skip
     n = max(float(b.mask.sum()), 1.0)
     metrics = {
         "clip_cov/selected_frac": float(chosen.sum()) / n,
@@ -304,11 +202,10 @@ def _clip_cov_prepare(b: BatchInputs) -> TokenStats:
 
 
 def _kl_cov_prepare(b: BatchInputs) -> TokenStats:
-    """Cui et al.'s KL-Cov: the top kl_cov_ratio of tokens by covariance get a KL penalty."""
+    """Cui et al.'s KL-Cov: the selected tokens get kl_cov_coef * |log r| added."""
     scope = Scope.of("batch", None, b.mask.shape[0], b.mask.device, b.process_group)
-    c, _ = _covariance(b.old_logprobs, b.advantages, b.mask, scope)
-    k = max(int(b.kl_cov_ratio * b.num_tokens), 1) if b.num_tokens > 0 else 0
-    chosen = select_top_k(c, b.mask > 0, k, b.layout, b.process_group)
+    c = scope_covariance(b.old_logprobs, b.advantages, b.mask, scope).c
+    chosen = kl_cov_selection(c, b.mask, b.kl_cov_ratio, b.num_tokens, b.layout, b.process_group)
     n = max(float(b.mask.sum()), 1.0)
     metrics = {"kl_cov/selected_frac": float(chosen.sum()) / n}
     return TokenStats(kl_penalty=chosen.to(torch.float32), metrics=metrics)
@@ -328,6 +225,7 @@ class LossInputs:
     ratio: Tensor  # r_t
     advantages: Tensor  # [B, 1] A_i
     mask: Tensor  # float32 0/1
+    num_valid: float  # valid tokens in this micro-batch
     prepared: PreparedLoss  # this micro-batch's rows of the batch statistics
     clip_eps_low: float
     clip_eps_high: float
@@ -377,15 +275,15 @@ def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float
     """
     unclipped = -advantages * x.ratio
     clipped = -advantages * x.ratio.clamp(1.0 - x.clip_eps_low, 1.0 + x.clip_eps_high)
-    with torch.no_grad():
-        active = (clipped > unclipped).to(torch.float32) * x.mask
-        high = torch.linalg.vecdot(active, (x.ratio > 1.0).to(torch.float32)).sum()
-        n = max(float(x.mask.sum()), 1.0)
+    with torch.no_grad():  # off the mask r_t = 1, so the clip is never active there
+        active = torch.gt(clipped, unclipped)
         count = float(active.sum())
+        high = float(active.logical_and_(x.ratio > 1.0).sum())
+        n = max(x.num_valid, 1.0)
         metrics = {
             "policy/clip_frac": count / n,
-            "policy/clip_frac_high": float(high) / n,
-            "policy/clip_frac_low": (count - float(high)) / n,
+            "policy/clip_frac_high": high / n,
+            "policy/clip_frac_low": (count - high) / n,
         }
     return torch.maximum(unclipped, clipped), metrics
 
@@ -470,8 +368,8 @@ def prepare_loss_inputs(
             select over the batch, as their reference implementation does.
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and band.
         kl_cov_ratio: KL-Cov's fraction of tokens.
-        seed: Clip-Cov's random draw; None draws it from torch's default generator (rank 0's
-            draw is used by all ranks). Same seed, same tokens, however the batch is split.
+        seed: Clip-Cov's random draw; None draws it from torch's default generator (one
+            rank's draw is used by all). Same seed, same tokens, however the batch is split.
         max_response_length: Dr.GRPO's L; None uses the widest T over ranks.
         diagnostics: also compute batch statistics for the metrics (the covariance table over
             cov_scope, or over the batch without group_ids; kernel-weight quantiles); these
@@ -490,14 +388,10 @@ def prepare_loss_inputs(
         )
     device = old_logprobs.device
     with torch.no_grad():
-        m = _float_mask(mask)
+        m = float_mask(mask)
         tokens_per_row = m.sum(1)
         num_tokens = global_count(float(tokens_per_row.sum()), device, process_group)
         num_seqs = global_count(float((tokens_per_row > 0).sum()), device, process_group)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()))
-            if process_group is not None:
-                seed = global_max(seed, device, process_group)
         layout = RowLayout.of(B, T, device, process_group)
         batch = BatchInputs(
             old_logprobs.detach(), advantages.detach(), m, group_ids, cov_scope,
@@ -593,23 +487,23 @@ def policy_loss(
                 f"prepared rows have shape {tuple(t.shape)} but logprobs {tuple(logprobs.shape)}:"
                 " pass prepared.rows(index) with the micro-batch's row index"
             )
-    m = _float_mask(mask)
+    m = float_mask(mask)
     logp = logprobs.to(torch.float32)
     log_ratio = ((logp - old_logprobs.to(torch.float32)) * m).clamp(
         -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT
     )
     ratio = torch.exp(log_ratio)
+    n = float(m.sum())
     x = LossInputs(
-        logp, log_ratio, ratio, advantages.detach().to(torch.float32)[:, None], m, prepared,
+        logp, log_ratio, ratio, advantages.detach().to(torch.float32)[:, None], m, n, prepared,
         clip_eps_low, clip_eps_high, kl_cov_coef,
     )  # fmt: skip
     token_loss, metrics = registered.token_loss(x)
     pg_loss = aggregate(token_loss, m, loss_agg, prepared)
     loss = pg_loss
+    safe_n = max(n, 1.0)
     with torch.no_grad():
-        n = float(m.sum())
         ratio_sum = float(torch.linalg.vecdot(ratio, m).sum())
-        safe_n = max(n, 1.0)
         metrics.update({
             "policy/loss": float(pg_loss.detach()),
             "policy/tokens": n,

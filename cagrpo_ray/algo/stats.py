@@ -2,7 +2,7 @@
 
 A *scope* is the token set S that a statistic is taken over: the valid tokens of one prompt
 group (`"group"`), or of the whole batch (`"batch"`). Every statistic the losses need is a sum
-of per-row values over a scope, so one primitive does it: `Scope.sum`. For `"batch"` with a
+of per-row values over a scope, so one primitive does it: `Scope.totals`. For `"batch"` with a
 process group the sums are all-reduced, so that every data-parallel rank sees the statistics of
 the full batch; prompt groups are whole on one rank, so `"group"` sums never communicate.
 
@@ -24,6 +24,11 @@ SCOPES = ("group", "batch")
 
 # The paper's covariance table: thresholds of the top / bottom fraction of tokens.
 COVARIANCE_TABLE_FRACTIONS = (1e-4, 1e-2, 0.2, 0.4)
+
+
+def float_mask(mask: Tensor) -> Tensor:
+    """A bool or 0/1 mask as float32 0/1 (a float32 mask is returned as is)."""
+    return mask if mask.dtype == torch.float32 else mask.to(torch.float32)
 
 
 def _world(process_group) -> int:
@@ -59,21 +64,24 @@ class Scope:
         unique, index = torch.unique(group_ids.to(device), return_inverse=True)
         return cls("group", index, int(unique.numel()), None)
 
-    def sum(self, rows: Tensor) -> Tensor:
-        """[B] or [B, k] per-row values -> the same shape, each row holding its scope's total."""
-        flat = rows.unsqueeze(1) if rows.dim() == 1 else rows
-        totals = flat.new_zeros(self.num_scopes, flat.shape[1]).index_add_(0, self.index, flat)
+    def totals(self, rows: Tensor) -> Tensor:
+        """[B, k] per-row values -> [num_scopes, k] sums over each scope's rows."""
+        totals = rows.new_zeros(self.num_scopes, rows.shape[1]).index_add_(0, self.index, rows)
         if self.process_group is not None:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
-        return totals[self.index].view_as(rows)
+        return totals
 
-    def min(self, rows: Tensor) -> Tensor:
-        """[B] per-row values -> [B], each row holding its scope's minimum."""
+    def minima(self, rows: Tensor) -> Tensor:
+        """[B] per-row values -> [num_scopes] minimum over each scope's rows."""
         lowest = rows.new_full((self.num_scopes,), float("inf"))
         lowest = lowest.scatter_reduce(0, self.index, rows, reduce="amin")
         if self.process_group is not None:
             dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=self.process_group)
-        return lowest[self.index]
+        return lowest
+
+    def rows(self, per_scope: Tensor) -> Tensor:
+        """[num_scopes, ...] -> [B, ...]: each row gets its scope's value."""
+        return per_scope[self.index]
 
 
 @dataclass(frozen=True)
