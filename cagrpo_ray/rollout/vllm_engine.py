@@ -65,6 +65,7 @@ class VLLMEngine:
             options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         options.update(llm_options)
         self.llm = LLM(**options)
+        self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = 0
         self.num_sync_ranks = tensor_parallel_size * options.get("pipeline_parallel_size", 1)
         self._rpc_timeout_s: float | None = None
@@ -77,9 +78,18 @@ class VLLMEngine:
         params = [self._sampling_params(sampling, index) for index in range(len(prompts))]
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
+        samples = [sample for out in outputs for sample in out.outputs]
+        # Decoded here, in one batch, rather than by vLLM's incremental detokenizer, which
+        # holds back a trailing partial UTF-8 sequence: the text is then exactly
+        # `tokenizer.decode` of the tokens, as the HF engine gives it.
+        texts = iter(
+            self.tokenizer.batch_decode(
+                [_shown_tokens(sample) for sample in samples], skip_special_tokens=False
+            )
+        )
         version = self.policy_version
         return [
-            [_completion(list(out.prompt_token_ids), sample, version) for sample in out.outputs]
+            [_completion(list(out.prompt_token_ids), s, next(texts), version) for s in out.outputs]
             for out in outputs
         ]
 
@@ -97,8 +107,7 @@ class VLLMEngine:
             seed=None if sampling.seed is None else sampling.seed + index,
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
-            skip_special_tokens=False,
-            spaces_between_special_tokens=False,
+            detokenize=False,
         )
 
     def load_weights(
@@ -174,7 +183,12 @@ def checkpoint_dtype(model_path: str | Path) -> str:
     return dtype if isinstance(dtype, str) else "auto"
 
 
-def _completion(prompt_token_ids: list[int], sample, version: int) -> Completion:
+def _shown_tokens(sample) -> list[int]:
+    """The tokens the text shows: all but the stop token that ended a "stop" sample."""
+    return list(sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids)
+
+
+def _completion(prompt_token_ids: list[int], sample, text: str, version: int) -> Completion:
     token_ids = list(sample.token_ids)
     logprobs = _sampled_logprobs(sample.logprobs, token_ids)
     if sample.finish_reason not in ("stop", "length"):
@@ -183,7 +197,7 @@ def _completion(prompt_token_ids: list[int], sample, version: int) -> Completion
         prompt_token_ids=prompt_token_ids,
         token_ids=token_ids,
         logprobs=logprobs,
-        text=sample.text,
+        text=text,
         finish_reason=sample.finish_reason,
         policy_version=version,
     )

@@ -1,0 +1,386 @@
+"""Weight sync: buckets, the named rendezvous, and a real sync into a live vLLM engine.
+
+The integration tests run a learner in its own process (with its own default
+`torch.distributed` group, as DeepSpeed's learner has) holding the seed-1 policy, and two
+generators built on the seed-0 policy: a vLLM engine (its worker is rank 1) and an HF engine
+(rank 2). After a sync both hold the learner's weights bit for bit and generate as the seed-1
+policy does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import re
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from cagrpo_ray.sync import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
+from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket, unpack_bucket
+
+SHORT_TIMEOUT_S = 2.0
+
+
+def digest(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(data).hexdigest()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("w", torch.randn(300, 200, generator=g)),
+        ("half", torch.randn(17, 3, generator=g).to(torch.bfloat16)),
+        ("ids", torch.arange(11)),
+        ("mask", torch.rand(5, generator=g) > 0.5),
+        ("empty", torch.empty(0, 4)),
+        ("transposed", torch.randn(8, 6, generator=g).t()),
+        ("big", torch.randn(1000, 300, generator=g)),
+    ]
+
+
+# ------------------------------------------------------------------ buckets (no processes)
+
+
+@pytest.mark.unit
+def test_buckets_round_trip_every_dtype_bit_for_bit():
+    tensors = mixed_tensors()
+    received = []
+    buckets = list(group_into_buckets(iter(tensors), bucket_bytes=256 * 1024))
+    assert [last for _, last in buckets] == [False] * (len(buckets) - 1) + [True]
+    assert any(len(b) == 1 and b[0][0] == "big" for b, _ in buckets), "big travels alone"
+    for index, (bucket, last) in enumerate(buckets):
+        plan = plan_bucket(bucket, version=3, index=index, last=last)
+        buffer = torch.empty(plan.nbytes, dtype=torch.uint8)
+        pack_bucket(bucket, plan, buffer)
+        header, views = unpack_bucket(buffer, len(plan.encoded_header))
+        assert (header.version, header.index, header.last) == (3, index, last)
+        received += views
+    assert [name for name, _ in received] == [name for name, _ in tensors]
+    for (_, sent), (_, got) in zip(tensors, received, strict=True):
+        assert got.dtype == sent.dtype and got.shape == sent.shape
+        assert digest(got) == digest(sent)
+
+
+@pytest.mark.unit
+def test_no_tensors_is_one_empty_last_bucket():
+    assert list(group_into_buckets(iter([]), bucket_bytes=1024)) == [([], True)]
+
+
+# ------------------------------------------------- sender and receivers (threads, processes)
+
+
+def _receiver_process(address: SyncAddress, rank: int, versions: list[int], results):
+    receiver = WeightReceiver(address, rank)
+    for version in versions:
+        digests = {}
+
+        def load(tensors, digests=digests):
+            digests.update((name, digest(tensor)) for name, tensor in tensors)
+
+        receiver.receive(version, load)
+        results.put((rank, version, digests))
+
+
+@pytest.mark.integration
+def test_sender_reaches_receiver_processes_bit_for_bit_beside_a_default_group():
+    import torch.distributed as dist
+
+    # The learner's own default group (DeepSpeed's) must not be touched by the sync group.
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        results = ctx.Queue()
+        with WeightSender(world_size=3, timeout_s=60, bucket_mb=0.25) as sender:
+            workers = [
+                ctx.Process(target=_receiver_process, args=(sender.address, r, [1, 2], results))
+                for r in (1, 2)
+            ]
+            for w in workers:
+                w.start()
+            sender.wait_joined()
+            tensors = mixed_tensors()
+            for version in (1, 2):
+                stats = sender.send(iter(tensors), version)
+                assert stats.version == version and stats.num_tensors == len(tensors)
+                assert stats.num_buckets > 1
+                assert stats.num_bytes == sum(t.numel() * t.element_size() for _, t in tensors)
+            expected = {name: digest(t) for name, t in tensors}
+            got = [results.get(timeout=60) for _ in range(4)]
+            for w in workers:
+                w.join(timeout=60)
+        assert sorted((rank, version) for rank, version, _ in got) == [
+            (1, 1),
+            (1, 2),
+            (2, 1),
+            (2, 2),
+        ]
+        assert all(digests == expected for _, _, digests in got)
+        assert dist.get_world_size() == 1  # the default group is still there, untouched
+    finally:
+        dist.destroy_process_group()
+
+
+def _in_thread(fn, *args):
+    pool = ThreadPoolExecutor(max_workers=1)
+    return pool.submit(fn, *args)
+
+
+@pytest.mark.unit
+def test_sender_names_the_worker_that_never_joins_within_the_timeout():
+    sender = WeightSender(world_size=3, timeout_s=SHORT_TIMEOUT_S)
+    joined = _in_thread(WeightReceiver, sender.address, 1)  # rank 2 never comes
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError) as error:
+        sender.send([("w", torch.zeros(3))], version=3)
+    elapsed = time.monotonic() - start
+    assert re.search(
+        r"weight sync v3: generator worker rank 2 did not join .* within 2 s", str(error.value)
+    )
+    assert elapsed < SHORT_TIMEOUT_S + 5
+    with pytest.raises(WeightSyncError, match="generator worker rank 2 did not join"):
+        joined.result(timeout=30)  # the worker that came is told who is missing, too
+    sender.close()
+
+
+@pytest.mark.unit
+def test_receiver_names_the_learner_that_does_not_send_and_the_group_survives():
+    sender = WeightSender(world_size=2, timeout_s=SHORT_TIMEOUT_S)
+    receiver_future = _in_thread(WeightReceiver, sender.address, 1)
+    sender.wait_joined()
+    receiver = receiver_future.result(timeout=30)
+    with pytest.raises(WeightSyncError, match=r"weight sync v5: learner \(rank 0\) did not send"):
+        receiver.receive(5, lambda tensors: list(tensors))
+    # No collective was started, so the group still works for the next version.
+    got = {}
+    received = _in_thread(receiver.receive, 6, lambda ts: got.update((n, t.clone()) for n, t in ts))
+    sender.send([("w", torch.arange(4.0))], version=6)
+    received.result(timeout=30)
+    assert torch.equal(got["w"], torch.arange(4.0))
+    sender.close()
+
+
+@pytest.mark.unit
+def test_sender_names_the_joined_worker_that_does_not_arrive():
+    sender = WeightSender(world_size=2, timeout_s=SHORT_TIMEOUT_S)
+    receiver_future = _in_thread(WeightReceiver, sender.address, 1)
+    sender.wait_joined()
+    receiver_future.result(timeout=30)  # joined, but never calls receive
+    with pytest.raises(
+        WeightSyncError, match="weight sync v1: generator worker rank 1 did not arrive"
+    ):
+        sender.send([("w", torch.zeros(2))], version=1)
+    sender.close()
+
+
+@pytest.mark.unit
+def test_a_load_failure_reaches_the_sender_with_the_worker_and_the_error():
+    sender = WeightSender(world_size=2, timeout_s=10)
+    receiver_future = _in_thread(WeightReceiver, sender.address, 1)
+    sender.wait_joined()
+    receiver = receiver_future.result(timeout=30)
+
+    def load(tensors):
+        for name, _ in tensors:
+            raise KeyError(f"no parameter {name}")
+
+    received = _in_thread(receiver.receive, 1, load)
+    with pytest.raises(WeightSyncError, match="generator worker rank 1 failed to load: KeyError"):
+        sender.send([("w", torch.zeros(2)), ("v", torch.ones(3))], version=1)
+    with pytest.raises(KeyError):
+        received.result(timeout=30)
+    sender.close()
+
+
+@pytest.mark.unit
+def test_a_worker_without_a_learner_store_says_so():
+    address = SyncAddress("127.0.0.1", free_port(), 2, "gloo", SHORT_TIMEOUT_S)
+    with pytest.raises(WeightSyncError, match="store at 127.0.0.1:.* was not reachable"):
+        WeightReceiver(address, 1)
+
+
+# ------------------------------------------------------------- a live vLLM engine (integration)
+
+
+def _learner_main(commands, replies):
+    """A learner rank 0: own default group, a policy in memory, a WeightSender."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    assert commands.get()[0] == "open"  # once the generators are up: joining is timed
+    sender = WeightSender(world_size=3, timeout_s=10.0, bucket_mb=2.0)
+    replies.put(("address", sender.address))
+    while (command := commands.get())[0] != "stop":
+        _, version, policy_dir = command
+        model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+        try:
+            stats = sender.send(model.named_parameters(), version)
+            replies.put(("sent", stats, {n: digest(p) for n, p in model.named_parameters()}))
+        except WeightSyncError as exc:
+            replies.put(("error", str(exc)))
+    sender.close()
+    dist.destroy_process_group()
+
+
+def expected_vllm_digest(hf_state: dict[str, torch.Tensor], vllm_name: str) -> str:
+    """The digest a vLLM parameter must have, from the HF tensors it is fused from."""
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+    for vllm_part, hf_parts in fused.items():
+        if f".{vllm_part}." in vllm_name:
+            parts = [hf_state[vllm_name.replace(vllm_part, part)] for part in hf_parts]
+            return digest(torch.cat(parts))
+    return digest(hf_state[vllm_name])
+
+
+@pytest.fixture(scope="module")
+def policy_dirs(tmp_path_factory):
+    from cagrpo_ray.policies import random_policy  # transformers: kept out of spawned children
+
+    root = tmp_path_factory.mktemp("policies")
+    return random_policy(root / "seed0", seed=0), random_policy(root / "seed1", seed=1)
+
+
+@pytest.fixture(scope="module")
+def learner_process():
+    """Started first, so that its imports overlap the generators' start."""
+    ctx = multiprocessing.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=_learner_main, args=(commands, replies), daemon=True)
+    process.start()
+    yield commands, replies
+    commands.put(("stop",))
+    process.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def generators(learner_process, policy_dirs):
+    from cagrpo_ray.rollout.engines import make_engine
+
+    vllm_engine = make_engine(
+        "vllm", policy_dirs[0], seed=0, max_model_len=256, kv_cache_gib=1, enforce_eager=True
+    )
+    hf_engine = make_engine("hf", policy_dirs[0], seed=0, max_model_len=256)
+    yield vllm_engine, hf_engine
+    vllm_engine.close()
+
+
+@pytest.fixture(scope="module")
+def learner(learner_process, generators):
+    commands, replies = learner_process
+    commands.put(("open",))
+    kind, address = replies.get(timeout=120)
+    assert kind == "address"
+    vllm_engine, hf_engine = generators
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        ranks = [
+            pool.submit(vllm_engine.init_weight_sync, address, 1),
+            pool.submit(hf_engine.init_weight_sync, address, 2),
+        ]
+        assert [r.result(timeout=120) for r in ranks] == [[1], [2]]
+    return commands, replies
+
+
+def sync(learner, generators, version: int, policy_dir, record_digests=True):
+    commands, replies = learner
+    vllm_engine, hf_engine = generators
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        v = pool.submit(vllm_engine.receive_weights, version, record_digests)
+        h = pool.submit(hf_engine.receive_weights, version)
+        commands.put(("send", version, str(policy_dir)))
+        reply = replies.get(timeout=120)
+        return reply, v.result(timeout=120), h.result(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def prompts(policy_dirs):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dirs[0])
+    return [tokenizer(q).input_ids for q in ("<|user|>12+34=<|assistant|>", "hello", "x y")]
+
+
+@pytest.mark.integration
+def test_sync_makes_every_generator_the_learners_policy(learner, generators, policy_dirs, prompts):
+    from transformers import AutoModelForCausalLM
+
+    from cagrpo_ray.rollout.engines import make_engine
+    from cagrpo_ray.rollout.types import SamplingConfig
+
+    vllm_engine, hf_engine = generators
+    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=24)
+    before = [g[0].token_ids for g in vllm_engine.generate(prompts, greedy)]
+
+    (kind, stats, sent), vllm_stats, hf_stats = sync(learner, generators, 1, policy_dirs[1])
+    assert kind == "sent", stats
+    assert stats.version == 1 and stats.num_tensors == len(sent)
+
+    # Bit for bit, every tensor as the vLLM worker received it ...
+    assert vllm_stats["digests"] == [sent]
+    # ... every parameter vLLM keeps as a tensor, checked against the learner's ...
+    learner_state = AutoModelForCausalLM.from_pretrained(policy_dirs[1], dtype=torch.float32)
+    learner_state = learner_state.state_dict()
+    (kept,) = vllm_engine.parameter_digests()
+    assert kept, "vLLM keeps at least the embedding and the norms as tensors"
+    assert kept == {name: expected_vllm_digest(learner_state, name) for name in kept}
+    # ... and every parameter of the HF generator.
+    for name, tensor in hf_engine.model.state_dict().items():
+        assert torch.equal(tensor, learner_state[name]), name
+
+    # Generation is now the learner's policy, stamped with the new version.
+    reference = make_engine("hf", policy_dirs[1], max_model_len=256).generate(prompts, greedy)
+    for engine in (vllm_engine, hf_engine):
+        after = engine.generate(prompts, greedy)
+        assert engine.policy_version == 1 and {g[0].policy_version for g in after} == {1}
+        assert [g[0].token_ids for g in after] == [g[0].token_ids for g in reference]
+    assert [g[0].token_ids for g in reference] != before, "the two policies must differ"
+    assert vllm_stats["version"] == hf_stats["version"] == 1
+
+
+@pytest.mark.integration
+def test_vllm_generator_names_a_learner_that_does_not_send_then_syncs_again(
+    learner, generators, policy_dirs, prompts
+):
+    from cagrpo_ray.rollout.engines import make_engine
+    from cagrpo_ray.rollout.types import SamplingConfig
+
+    vllm_engine, _ = generators
+    calls = []
+    rpc = vllm_engine.llm.collective_rpc
+
+    def spy(method, timeout=None, args=(), kwargs=None):
+        calls.append((method, args))
+        return rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+
+    vllm_engine.llm.collective_rpc = spy
+    start = time.monotonic()
+    try:
+        with pytest.raises(Exception, match=r"weight sync v9: learner \(rank 0\) did not send"):
+            vllm_engine.receive_weights(9)
+    finally:
+        vllm_engine.llm.collective_rpc = rpc
+    assert time.monotonic() - start < 10.0 + 10
+    # Only control values cross the RPC; the weights travel through the sync group.
+    assert calls == [("receive_weights", (9, False))]
+    # The failed rendezvous left the group usable: sync back to the seed-0 policy.
+    (kind, *_), _, _ = sync(learner, generators, 2, policy_dirs[0], record_digests=False)
+    assert kind == "sent"
+    greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=24)
+    reference = make_engine("hf", policy_dirs[0], max_model_len=256).generate(prompts, greedy)
+    after = vllm_engine.generate(prompts, greedy)
+    assert [g[0].token_ids for g in after] == [g[0].token_ids for g in reference]
+    assert vllm_engine.policy_version == 2
