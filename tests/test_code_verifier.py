@@ -68,7 +68,10 @@ def test_stdin_reading_styles_and_whitespace_insensitive_outputs():
 def test_assert_style_tests():
     item = {"metadata": {"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]}}
     assert verify_code(fenced("def add(a, b):\n    return a + b\n"), item, LIMITS) == 1.0
-    assert verify_code(fenced("def add(a, b):\n    return a + b if a > 0 else 1\n"), item, LIMITS) == 0.5
+    assert (
+        verify_code(fenced("def add(a, b):\n    return a + b if a > 0 else 1\n"), item, LIMITS)
+        == 0.5
+    )
     assert verify_code(fenced("def add(a, b):\n    raise ValueError\n"), item, LIMITS) == 0.0
 
 

@@ -84,7 +84,9 @@ def run_solution(
     """Run `code` once per stdin string in `inputs`, then once followed by the `asserts`.
 
     Raises RuntimeError when the sandbox interpreter itself did not start (not the solution's
-    fault, so not a zero score to hide).
+    fault, so not a zero score to hide). Linux only (prctl, unshare); it starts the child with
+    a `preexec_fn`, so call it from a process whose other threads hold no locks, as the
+    verifier workers are.
     """
     limits = limits or SandboxLimits()
     inputs, asserts = list(inputs or []), list(asserts or [])
@@ -146,7 +148,8 @@ def _run_child(workdir: str, limits: SandboxLimits, read_cap: int):
         stderr=subprocess.DEVNULL,
         start_new_session=True,
         close_fds=True,
-        # preexec_fn is safe here: the verifier worker that calls this has a single thread.
+        # preexec_fn is safe here: the verifier worker's only other thread (its parent watch)
+        # sleeps without holding a lock that the child could need.
         preexec_fn=lambda: _confine_child(limits),
     )
     chunks, size, timed_out, truncated = [], 0, False, False
