@@ -52,7 +52,8 @@ def scope_covariance(
     centred.addcmul_(mask, first_mean[:, None], value=-1.0)
     left = centred.sum(1).double()
     sums = scope.totals(torch.stack([left, left * a_centred.double()], 1)) * per_token[:, None]
-    rest, mean_c = sums.unbind(1)  # sum_S (A - mean_S A) = 0, so mean_S c = sum_S A' left / |S|
+    # subtracting `rest` leaves sum_S c unchanged (sum_S (A - mean_S A) = 0 over tokens)
+    rest, mean_c = sums.unbind(1)
     centred.addcmul_(mask, scope.rows(rest).float()[:, None], value=-1.0)  # logp - mean_S logp
     c = centred.mul_(a_centred[:, None])  # (logp - mean_S logp) * (A - mean_S A)
     return ScopeCovariance(c, size, mean_c)

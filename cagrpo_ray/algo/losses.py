@@ -371,9 +371,10 @@ def prepare_loss_inputs(
         seed: Clip-Cov's random draw; None draws it from torch's default generator (one
             rank's draw is used by all). Same seed, same tokens, however the batch is split.
         max_response_length: Dr.GRPO's L; None uses the widest T over ranks.
-        diagnostics: also compute batch statistics for the metrics (the covariance table over
-            cov_scope, or over the batch without group_ids; kernel-weight quantiles); these
-            sort the tokens, so they cost more than the loss itself.
+        diagnostics: also compute statistics for the metrics: mean, std and quantile table of
+            c (centred over cov_scope, or over the batch without group_ids) and kernel-weight
+            quantiles, over this rank's tokens. They sort the tokens, so they cost more than
+            the loss itself.
         process_group: data-parallel group; statistics and normalisers then span all its ranks.
 
     Returns:
@@ -478,6 +479,12 @@ def policy_loss(
         raise ValueError(
             f"{sorted(prepare_options)} belong to prepare_loss_inputs; they were fixed when "
             "`prepared` was computed"
+        )
+    B, T = logprobs.shape
+    if old_logprobs.shape != (B, T) or mask.shape != (B, T) or advantages.shape != (B,):
+        raise ValueError(
+            f"expected old_logprobs and mask [{B}, {T}] and advantages [{B}] to match logprobs; "
+            f"got {tuple(old_logprobs.shape)}, {tuple(mask.shape)}, {tuple(advantages.shape)}"
         )
     if prepared.name != name:
         raise ValueError(f"prepared inputs are for {prepared.name!r}, not {name!r}")
