@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 
 import pytest
@@ -167,6 +168,20 @@ def test_sockets_fail(listening_port):
     )
     run = run_solution(code, [""], limits=LIMITS)
     assert run.case_status == ["PermissionError"] and run.outputs == [""]
+
+
+def kernel_allows_network_namespaces() -> bool:
+    flags = ["-n"] if os.geteuid() == 0 else ["-r", "-n"]
+    try:
+        return subprocess.run(["unshare", *flags, "true"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.unit
+@pytest.mark.skipif(not kernel_allows_network_namespaces(), reason="no network namespaces here")
+def test_the_child_gets_its_own_network_namespace_where_the_kernel_allows():
+    assert run_solution("print(1)", [""], limits=LIMITS).isolation == "namespace"
 
 
 @pytest.mark.unit
