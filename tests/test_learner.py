@@ -10,7 +10,6 @@ import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from cagrpo_ray.algo import group_advantages, policy_loss
@@ -76,14 +75,12 @@ def policy_path(tmp_path_factory):
     return random_policy(tmp_path_factory.mktemp("policy"), seed=0, **TINY)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_rank():
-    """A one-rank process group for this module's learners, removed afterwards so that other
-    tests in the session start without one."""
-    port = free_port()
-    yield dict(rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Arguments for learners that are rank 0 of 1 in the test process. The first one creates
+    the process group and the rest reuse it; it stays for the session, because DeepSpeed keeps
+    references to it that a destroyed and re-created group would not replace."""
+    return dict(rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
 
 
 # ----------------------------------------------------------------------------- unit
@@ -122,7 +119,7 @@ def snapshot(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.integration
-def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank):
+def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tmp_path):
     batch = random_batch()
     temperature = 0.7
     before = hf_model(policy_path)
@@ -176,6 +173,32 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank):
         return policy_loss("cagrpo", logprobs, old, advantages, mask, batch["group_ids"]).loss
 
     assert surrogate(new) < surrogate(old) - 1e-4
+
+    # The Hugging Face export of the ZeRO-3 partitioned model holds the whole weights.
+    exported = AutoModelForCausalLM.from_pretrained(learner.save_hf(tmp_path / "hf"))
+    for name, value in after.items():
+        assert torch.equal(exported.state_dict()[name], value), name
+
+
+@pytest.mark.integration
+def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
+    learner = Learner(
+        str(policy_path),
+        **one_rank,
+        zero_stage=3,
+        lr=1e-2,
+        micro_batch_size=16,
+        policy_loss="grpo",
+        ref_model_path=str(policy_path),
+        kl_coef=0.1,
+        entropy_coef=0.01,
+    )
+    first = learner.train_step(random_batch(seed=4))
+    assert first["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
+    second = learner.train_step(random_batch(seed=4))
+    assert second["kl/ref_k3"] > 1e-5
+    expected = second["policy/loss"] + 0.1 * second["kl/ref_k3"] - 0.01 * second["entropy/mean"]
+    assert second["loss/total"] == pytest.approx(expected, rel=1e-4)
 
 
 @pytest.mark.integration

@@ -6,14 +6,11 @@ compared with one in-process rank on the whole batch, and the ranks with each ot
 
 from __future__ import annotations
 
-import socket
-
 import deepspeed
 import pytest
 import ray
 import torch
-import torch.distributed as dist
-from test_learner import TINY, random_batch
+from test_learner import TINY, free_port, random_batch
 
 from cagrpo_ray.learner.group import LearnerGroup, LearnerGroupError, split_by_groups
 from cagrpo_ray.learner.learner import Learner
@@ -48,20 +45,18 @@ def batch():
 
 @pytest.fixture(scope="module")
 def one_rank_result(policy_path, batch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Rank 0 of 1 in the test process (reusing the group of test_learner.py if it ran first).
     learner = Learner(
-        str(policy_path), rank=0, world_size=1, master_port=port, zero_stage=0, **LEARNER
+        str(policy_path), rank=0, world_size=1, master_port=free_port(), zero_stage=0, **LEARNER
     )
-    metrics = learner.train_step(batch)
-    params = learner.state_dict_for_sync()
-    dist.destroy_process_group()
-    return metrics, params
+    return learner.train_step(batch), learner.state_dict_for_sync()
 
 
 @pytest.fixture(scope="module")
 def local_ray():
+    if ray.is_initialized():  # another module's cluster: use it, leave it running
+        yield
+        return
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
@@ -72,7 +67,7 @@ def local_ray():
 def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_result, local_ray):
     metrics_one, params_one = one_rank_result
     group = LearnerGroup(
-        2, dict(model_path=str(policy_path), zero_stage=zero_stage, **LEARNER), 1.0
+        2, dict(model_path=str(policy_path), zero_stage=zero_stage, **LEARNER), 0.5
     )
     try:
         metrics = group.train_step(batch)

@@ -10,7 +10,6 @@ stops with its last checkpoint intact and resumes from it.
 
 from __future__ import annotations
 
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -45,12 +44,8 @@ class LearnerActor:
         return ray.util.get_node_ip_address(), port
 
     def setup(self, **learner_kwargs: Any) -> None:
-        os.environ.update(
-            RANK=str(learner_kwargs["rank"]),
-            WORLD_SIZE=str(learner_kwargs["world_size"]),
-            MASTER_ADDR=str(learner_kwargs["master_addr"]),
-            MASTER_PORT=str(learner_kwargs["master_port"]),
-        )
+        """Build this rank's Learner; it joins the process group from rank, world_size,
+        master_addr and master_port (exported as RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
         self.learner = Learner(**learner_kwargs)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
