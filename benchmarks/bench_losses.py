@@ -31,7 +31,7 @@ def make_batch(B: int, T: int, group_size: int = 8, seed: int = 0):
     old = torch.where(mask, -3 * torch.rand(B, T, generator=g) ** 2, 0.0)
     new = old + 0.05 * torch.randn(B, T, generator=g)
     rewards = (torch.rand(B, generator=g) < 0.5).float().view(-1, group_size)
-    adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6))
+    adv = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
     return new, old, adv.view(-1), mask, torch.arange(B) // group_size
 
 
@@ -85,6 +85,7 @@ def main() -> None:
     for name in cases:
         print(f"{name:32s} {median[name]:10.2f} {median[name] / median['grpo']:7.2f} "
               f"{best[name]:8.2f} {best[name] / best['grpo']:7.2f}")  # fmt: skip
+
 
 if __name__ == "__main__":
     main()

@@ -14,6 +14,8 @@ tokens in the tails of c dominate the covariance (for a near-Gaussian c the kern
 halves it).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -53,6 +55,7 @@ HEAVY_TAILED = [(0, 1.0, 1.0), (0, 1.0, -1.0), (3, 4.0, 1.0), (4, 1.0, 1.0)]
 NEAR_GAUSSIAN = (2, 2.5, 1.0)
 
 
+@functools.cache
 def entropy_changes(seed, logit_scale, sign):
     """(c [N] float64, GRPO's entropy change, CA-GRPO's, CA-GRPO's predicted by w~ A's cov)."""
     z, advantage, actions, (logp, adv, mask) = policy_and_batch(seed, logit_scale, sign)

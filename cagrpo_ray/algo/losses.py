@@ -26,7 +26,8 @@ clip-higher), and from Cui et al. 2025 ("The Entropy Mechanism of Reinforcement 
 Reasoning Language Models"), with the defaults of their verl implementation: `clip_cov` (the
 surrogate of a random clip_cov_ratio = 2e-4 of the tokens whose covariance lies in (1, 5) is
 zeroed, so they give no gradient) and `kl_cov` (the top kl_cov_ratio = 2e-4 of tokens by
-covariance get + 1.0 * |log r_t|; no ratio clipping). Their covariance is taken over the batch.
+covariance get + 1.0 * |log r_t|; no ratio clipping). Their covariance is taken over the batch,
+with pi_old's log-probs like CA-GRPO's (verl uses pi's, equal on the first, on-policy pass).
 
 Computed once per batch, then micro-batched
 -------------------------------------------
