@@ -48,7 +48,7 @@ class RunConfig(Section):
         gt=0,
         description="A wait longer than this (seconds) is logged with what it waits for.",
     )
-    ray_num_cpus: float | None = Field(
+    ray_num_cpus: int | None = Field(
         None, description="CPUs for a local Ray cluster started by the run (None: all)."
     )
 
