@@ -74,17 +74,12 @@ def deepspeed_config(
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {zero_stage!r}")
-    zero: dict = {"stage": zero_stage}
-    if zero_stage == 3:
-        # Gather on demand, never keep small parameters whole on every rank: the ranks then
-        # agree on every parameter bit for bit after each step.
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0)
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro_batch_size * world_size,
         "gradient_clipping": grad_clip,
-        "zero_optimization": zero,
+        "zero_optimization": {"stage": zero_stage},
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "steps_per_print": _NEVER,

@@ -135,6 +135,8 @@ class Learner:
             raise ValueError(f"cov_scope {cov_scope!r} is not one of group, batch")
         if kl_coef > 0 and ref_model_path is None:
             raise ValueError("kl_coef > 0 needs ref_model_path (the frozen reference policy)")
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive (the sampling one), got {temperature}")
         if tis_cap is not None and tis_cap <= 0:
             raise ValueError(f"tis_cap must be positive or None (off), got {tis_cap}")
         if num_threads > 0:
@@ -161,7 +163,7 @@ class Learner:
         self.ds_config = deepspeed_config(
             zero_stage, micro_batch_size, world_size, grad_clip, use_bf16
         )
-        model = self._load_model(self.model_path, trainable=True)
+        model = self._load_model(self.model_path)
         # No weight decay on biases and norms, as usual for transformers.
         decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -191,24 +193,25 @@ class Learner:
         np.random.seed(seed)
         torch.manual_seed(seed)
 
-    def _load_model(self, path: str, trainable: bool) -> torch.nn.Module:
+    def _load_model(self, path: str) -> torch.nn.Module:
         dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
         # Every rank loads the whole model into host memory; under ZeRO-3 deepspeed.initialize
         # then partitions it. (Building it already partitioned needs transformers'
         # HfDeepSpeedConfig, which requires the accelerate package.)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         model.config.use_cache = False
-        model.train(trainable)
-        if not trainable:
-            model.requires_grad_(False)
+        # Dropout off for good: the recomputed proximal log-probs and the training forward pass
+        # must be the same function of the weights (ratio 1 on the first pass), as usual in RL
+        # fine-tuning.
+        model.eval()
         return model
 
     def _reference_model(self, path: str) -> torch.nn.Module:
-        model = self._load_model(path, trainable=False)
+        model = self._load_model(path).requires_grad_(False)
         if self.zero_stage == 3:
             config = {
                 "train_micro_batch_size_per_gpu": self.micro_batch_size,
-                "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+                "zero_optimization": {"stage": 3},
                 "bf16": self.ds_config["bf16"],
                 "steps_per_print": self.ds_config["steps_per_print"],
             }
