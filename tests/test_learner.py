@@ -96,6 +96,10 @@ def test_check_batch_names_the_missing_key_and_the_bad_shape():
     batch["response_mask"] = batch["response_mask"][:, :-1]
     with pytest.raises(ValueError, match="response_mask"):
         check_batch(batch)
+    batch = random_batch(num_groups=2, group_size=3)
+    batch["group_ids"][-1] = 2  # groups of 3, then 2 and 1
+    with pytest.raises(ValueError, match="one size"):
+        check_batch(batch)
 
 
 @pytest.mark.unit

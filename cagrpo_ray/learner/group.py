@@ -19,7 +19,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from cagrpo_ray.learner.learner import Learner, group_sizes
+from cagrpo_ray.learner.learner import Learner, check_batch, group_sizes
 
 
 class LearnerGroupError(RuntimeError):
@@ -138,8 +138,10 @@ class LearnerGroup:
         return len(self.actors)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step of every rank on its shard of `batch`; returns rank 0's metrics."""
-        shards = split_by_groups(batch, self.num_learners)
+        """One optimizer step of every rank on its shard of `batch`; returns rank 0's metrics.
+
+        A batch that breaks the contract raises ValueError here, before any rank starts."""
+        shards = split_by_groups(check_batch(batch), self.num_learners)
         return self._call_all("train_step", args_per_rank=[(ray.put(s),) for s in shards])[0]
 
     def collect_sync_weights(self) -> dict[str, torch.Tensor]:

@@ -81,6 +81,9 @@ def check_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             )
     if rows == 0:
         raise ValueError("learner batch has no rows")
+    sizes = group_sizes(batch["group_ids"]).unique()
+    if sizes.numel() != 1:
+        raise ValueError(f"prompt groups must all have one size, got sizes {sizes.tolist()}")
     return batch
 
 
@@ -268,11 +271,9 @@ class Learner:
         reducer.mean("entropy/mean", entropy[mask].mean() if tokens else 0.0, tokens)
         is_weights = self._tis_weights(old_logprobs, batch["behavior_logprobs"], mask, reducer)
 
-        # (2) Group-relative advantages; groups are whole on this rank.
-        sizes = group_sizes(batch["group_ids"])
-        if sizes.unique().numel() != 1:
-            raise ValueError(f"prompt groups must have one size, got {sizes.unique().tolist()}")
-        advantages = group_advantages(batch["rewards"], int(sizes[0]), self.std_normalize)
+        # (2) Group-relative advantages; groups are whole (and of one size) on this rank.
+        group_size = int(group_sizes(batch["group_ids"])[0])
+        advantages = group_advantages(batch["rewards"], group_size, self.std_normalize)
         reducer.mean("reward/mean", batch["rewards"].mean(), mask.shape[0])
         reducer.mean("advantage/abs_mean", advantages.abs().mean(), mask.shape[0])
 
