@@ -234,6 +234,7 @@ class Trainer:
             kl_coef=a.kl_coef,
             entropy_coef=a.entropy_coef,
             tis_cap=a.tis_cap,
+            max_response_length=self.config.rollout.max_tokens,
             seed=self.config.run.seed,
         )
 
