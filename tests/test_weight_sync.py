@@ -21,6 +21,7 @@ import torch
 
 from cagrpo_ray.sync import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
 from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket, unpack_bucket
+from cagrpo_ray.sync.receiver import BufferPool
 
 SHORT_TIMEOUT_S = 2.0
 
@@ -55,16 +56,17 @@ def mixed_tensors() -> list[tuple[str, torch.Tensor]]:
 @pytest.mark.unit
 def test_buckets_round_trip_every_dtype_bit_for_bit():
     tensors = mixed_tensors()
+    buckets = list(group_into_buckets(iter(tensors), bucket_bytes=64 * 1024))
+    assert len(buckets) > 2
+    assert ["big"] in [[name for name, _ in b] for b in buckets], "big travels alone"
+    plans = [plan_bucket(bucket, version=3, index=i) for i, bucket in enumerate(buckets)]
     received = []
-    buckets = list(group_into_buckets(iter(tensors), bucket_bytes=256 * 1024))
-    assert [last for _, last in buckets] == [False] * (len(buckets) - 1) + [True]
-    assert any(len(b) == 1 and b[0][0] == "big" for b, _ in buckets), "big travels alone"
-    for index, (bucket, last) in enumerate(buckets):
-        plan = plan_bucket(bucket, version=3, index=index, last=last)
+    for index, plan in enumerate(plans):
+        next_nbytes = plans[index + 1].nbytes if index + 1 < len(plans) else 0
         buffer = torch.empty(plan.nbytes, dtype=torch.uint8)
-        pack_bucket(bucket, plan, buffer)
-        header, views = unpack_bucket(buffer, len(plan.encoded_header))
-        assert (header.version, header.index, header.last) == (3, index, last)
+        pack_bucket(plan, next_nbytes, buffer)
+        header, announced, views = unpack_bucket(buffer)
+        assert (header.version, header.index, announced) == (3, index, next_nbytes)
         received += views
     assert [name for name, _ in received] == [name for name, _ in tensors]
     for (_, sent), (_, got) in zip(tensors, received, strict=True):
@@ -73,8 +75,24 @@ def test_buckets_round_trip_every_dtype_bit_for_bit():
 
 
 @pytest.mark.unit
-def test_no_tensors_is_one_empty_last_bucket():
-    assert list(group_into_buckets(iter([]), bucket_bytes=1024)) == [([], True)]
+def test_no_tensors_is_one_empty_bucket():
+    assert list(group_into_buckets(iter([]), bucket_bytes=1024)) == [[]]
+
+
+@pytest.mark.unit
+def test_receive_buffers_are_reused_only_when_no_view_is_held():
+    pool = BufferPool(torch.device("cpu"), keep=1)
+    first = pool.take(1000)
+    held = first[64:128].view(torch.float32)  # a loader keeping a tensor of the bucket
+    del first
+    second = pool.take(1000)
+    assert second.data_ptr() != held.data_ptr() - 64, "a viewed buffer must not be reused"
+    del held
+    third = pool.take(500)
+    assert len(pool._buffers) == 2 and third.data_ptr() in {b.data_ptr() for b, _ in pool._buffers}
+    del second, third
+    pool.trim()
+    assert [b.numel() for b, _ in pool._buffers] == [1000]
 
 
 # ------------------------------------------------- sender and receivers (threads, processes)

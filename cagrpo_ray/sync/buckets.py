@@ -1,10 +1,15 @@
 """Flat byte buckets of named tensors: what one broadcast of a weight sync carries.
 
-A bucket is one uint8 buffer: a JSON header (sync version, bucket index, whether it is the last
-bucket, and each tensor's name, dtype, shape and byte offset), padded to `ALIGN` bytes, then the
-tensors' bytes, each starting at an `ALIGN`-byte boundary so that the receiver can view them in
-place as their own dtype. Tensors of any dtype share a bucket; a tensor larger than the bucket
-size travels alone in a bucket of its own size.
+A bucket is one uint8 buffer:
+
+    [header bytes: int64][next bucket's bytes: int64, 0 after the last bucket]
+    [JSON header: version, bucket index, each tensor's name, dtype, shape, offset, size]
+    [padding to ALIGN][tensor bytes, each starting at an ALIGN boundary]
+
+The receiver views each tensor in place as its own dtype (no copy). Tensors of any dtype share
+a bucket; a tensor larger than the bucket size travels alone in a bucket of its own size.
+Because every bucket announces the size of the next, a receiver can post the next receive
+before it loads the current bucket, and the transfer overlaps the loading.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 64  # bytes; a multiple of every dtype's size, and of a cache line
+PREFIX = 16  # two int64: header bytes, next bucket's bytes
 
 
 @dataclass(frozen=True)
@@ -31,12 +37,11 @@ class TensorSlot:
 class BucketHeader:
     version: int  # policy version being sent
     index: int  # 0-based bucket number within this sync
-    last: bool  # no bucket follows in this sync
     slots: tuple[TensorSlot, ...]
 
     def encode(self) -> bytes:
         slots = [[s.name, s.dtype, list(s.shape), s.offset, s.nbytes] for s in self.slots]
-        body = {"version": self.version, "index": self.index, "last": self.last, "slots": slots}
+        body = {"version": self.version, "index": self.index, "slots": slots}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
@@ -46,7 +51,19 @@ class BucketHeader:
             TensorSlot(name, dtype, tuple(shape), offset, nbytes)
             for name, dtype, shape, offset, nbytes in body["slots"]
         )
-        return cls(body["version"], body["index"], body["last"], slots)
+        return cls(body["version"], body["index"], slots)
+
+
+@dataclass(frozen=True)
+class PlannedBucket:
+    tensors: list[tuple[str, torch.Tensor]]
+    header: BucketHeader
+    encoded_header: bytes
+    nbytes: int  # prefix + header (padded to ALIGN) + data
+
+    @property
+    def data_start(self) -> int:
+        return aligned(PREFIX + len(self.encoded_header))
 
 
 def aligned(nbytes: int) -> int:
@@ -55,34 +72,26 @@ def aligned(nbytes: int) -> int:
 
 def group_into_buckets(
     named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[tuple[list[tuple[str, torch.Tensor]], bool]]:
-    """Yield (tensors of one bucket, is_last), consuming the iterable lazily.
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Yield the tensors of one bucket at a time, consuming the iterable lazily; always at
+    least one (possibly empty) bucket.
 
     A bucket is closed before the tensor that would push its data past `bucket_bytes`, so that a
-    streaming source (a ZeRO-3 gather, for example) holds at most about one bucket at a time.
+    streaming source (a ZeRO-3 gather, for example) holds about one bucket at a time.
     """
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in named_tensors:
         nbytes = aligned(tensor.numel() * tensor.element_size())
         if bucket and size + nbytes > bucket_bytes:
-            yield bucket, False
+            yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
-    yield bucket, True
+    yield bucket
 
 
-@dataclass(frozen=True)
-class PlannedBucket:
-    header: BucketHeader
-    encoded_header: bytes
-    nbytes: int  # header (padded to ALIGN) + data
-
-
-def plan_bucket(
-    tensors: list[tuple[str, torch.Tensor]], version: int, index: int, last: bool
-) -> PlannedBucket:
+def plan_bucket(tensors: list[tuple[str, torch.Tensor]], version: int, index: int) -> PlannedBucket:
     """Lay out a bucket holding `tensors`: their slots, the encoded header, the total size."""
     slots, offset = [], 0
     for name, tensor in tensors:
@@ -90,33 +99,35 @@ def plan_bucket(
         dtype = str(tensor.dtype).removeprefix("torch.")
         slots.append(TensorSlot(name, dtype, tuple(tensor.shape), offset, nbytes))
         offset += aligned(nbytes)
-    header = BucketHeader(version, index, last, tuple(slots))
+    header = BucketHeader(version, index, tuple(slots))
     encoded = header.encode()
-    return PlannedBucket(header, encoded, aligned(len(encoded)) + offset)
+    return PlannedBucket(tensors, header, encoded, aligned(PREFIX + len(encoded)) + offset)
 
 
-def pack_bucket(
-    tensors: list[tuple[str, torch.Tensor]], plan: PlannedBucket, out: torch.Tensor
-) -> None:
-    """Write the header and the bytes of `tensors` into the uint8 buffer `out[:plan.nbytes]`."""
+def pack_bucket(plan: PlannedBucket, next_nbytes: int, out: torch.Tensor) -> None:
+    """Write the bucket into the uint8 buffer `out` (`plan.nbytes` long); `next_nbytes` is the
+    size of the bucket that follows (0: none)."""
     encoded = plan.encoded_header
-    out[: len(encoded)].copy_(torch.frombuffer(bytearray(encoded), dtype=torch.uint8))
-    start = aligned(len(encoded))
-    for (_, tensor), slot in zip(tensors, plan.header.slots, strict=True):
+    out[:PREFIX].view(torch.int64).copy_(torch.tensor([len(encoded), next_nbytes]))
+    out[PREFIX : PREFIX + len(encoded)].copy_(
+        torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+    )
+    start = plan.data_start
+    for (_, tensor), slot in zip(plan.tensors, plan.header.slots, strict=True):
         if slot.nbytes:
             region = out[start + slot.offset : start + slot.offset + slot.nbytes]
             region.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
 
 
-def unpack_bucket(
-    buffer: torch.Tensor, header_nbytes: int
-) -> tuple[BucketHeader, list[tuple[str, torch.Tensor]]]:
-    """The header of a received bucket and views (no copies) of its tensors inside `buffer`."""
-    header = BucketHeader.decode(bytes(buffer[:header_nbytes].cpu().numpy()))
-    start = aligned(header_nbytes)
+def unpack_bucket(buffer: torch.Tensor) -> tuple[BucketHeader, int, list[tuple[str, torch.Tensor]]]:
+    """A received bucket's header, the next bucket's size (0: none), and views (no copies) of
+    its tensors inside `buffer`."""
+    header_nbytes, next_nbytes = buffer[:PREFIX].view(torch.int64).tolist()
+    raw = bytes(buffer[PREFIX : PREFIX + header_nbytes].cpu().numpy())
+    header = BucketHeader.decode(raw)
+    start = aligned(PREFIX + header_nbytes)
     tensors = []
     for slot in header.slots:
         region = buffer[start + slot.offset : start + slot.offset + slot.nbytes]
-        dtype = getattr(torch, slot.dtype)
-        tensors.append((slot.name, region.view(dtype).view(slot.shape)))
-    return header, tensors
+        tensors.append((slot.name, region.view(getattr(torch, slot.dtype)).view(slot.shape)))
+    return header, next_nbytes, tensors

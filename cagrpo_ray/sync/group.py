@@ -147,10 +147,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast `tensor` in place from the learner (rank 0), waiting at most `timeout_s`."""
+def start_broadcast(group, tensor: torch.Tensor, timeout_s: float):
+    """Start broadcasting `tensor` in place from the learner (rank 0); returns the work.
+
+    Every rank must start its broadcasts in the same order.
+    """
     options = dist.BroadcastOptions()
     options.rootRank = LEARNER_RANK
     options.rootTensor = 0
     options.timeout = timedelta(seconds=timeout_s)
-    group.broadcast([tensor], options).wait(timedelta(seconds=timeout_s))
+    return group.broadcast([tensor], options)
+
+
+def wait(work, timeout_s: float) -> None:
+    work.wait(timedelta(seconds=timeout_s))

@@ -15,10 +15,11 @@ from cagrpo_ray.sync.group import (
     WeightSyncError,
     absent_ranks,
     as_sync_address,
-    broadcast,
     join_group,
     open_store,
+    start_broadcast,
     sync_device,
+    wait,
 )
 from cagrpo_ray.sync.sender import SyncStats
 
@@ -47,6 +48,7 @@ class WeightReceiver:
         )
         self._group = join_group(self._store, rank, world_size, address.backend, timeout_s, host)
         self._device = sync_device(address.backend)
+        self._buffers = BufferPool(self._device)
 
     def receive(self, version: int, load: LoadWeights) -> SyncStats:
         """Receive policy `version` from the learner; `load(named_tensors)` puts it in the model.
@@ -91,36 +93,90 @@ class WeightReceiver:
 
     def _stream(self, version: int, totals: dict) -> Iterator[tuple[str, torch.Tensor]]:
         what = f"weight sync v{version}"
-        sizes = torch.zeros(2, dtype=torch.int64, device=self._device)
+        first_size = torch.zeros(1, dtype=torch.int64, device=self._device)
+        self._wait(self._start(first_size), f"{what}: first bucket size")
+        nbytes = int(first_size.item())
+        bucket = self._buffers.take(nbytes)
+        work = self._start(bucket)
         while True:
             index = totals["buckets"]
-            self._broadcast(sizes, f"{what}: bucket {index} sizes")
-            header_nbytes, nbytes = (int(x) for x in sizes.tolist())
-            bucket = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-            self._broadcast(bucket, f"{what}: bucket {index} ({nbytes} bytes)")
-            header, tensors = unpack_bucket(bucket, header_nbytes)
+            self._wait(work, f"{what}: bucket {index} ({nbytes} bytes)")
+            header, next_nbytes, tensors = unpack_bucket(bucket)
             if header.version != version or header.index != index:
                 raise WeightSyncError(
                     f"{what}: generator worker rank {self.rank} expected bucket {index} "
                     f"of v{version} and got bucket {header.index} of v{header.version}"
                 )
+            if next_nbytes:  # receive the next bucket while this one is being loaded
+                following = self._buffers.take(next_nbytes)
+                work = self._start(following)
             totals["tensors"] += len(tensors)
             totals["bytes"] += sum(slot.nbytes for slot in header.slots)
             totals["buckets"] += 1
             yield from tensors
-            if header.last:
+            del tensors  # our own views must not keep the bucket's buffer from being reused
+            if not next_nbytes:
+                self._buffers.trim()
                 return
+            bucket, nbytes = following, next_nbytes
 
-    def _broadcast(self, tensor: torch.Tensor, what: str) -> None:
+    def _start(self, tensor: torch.Tensor):
         try:
-            broadcast(self._group, tensor, self.address.timeout_s)
+            return start_broadcast(self._group, tensor, self.address.timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            raise WeightSyncError(f"weight sync: a broadcast failed to start: {exc}") from exc
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            wait(work, self.address.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
             raise WeightSyncError(
-                f"{what}: learner (rank 0) stopped sending mid-transfer; generator worker rank "
-                f"{self.rank} waited {self.address.timeout_s:g} s ({exc}). The group is "
-                "unusable now: the learner must build a new one."
+                f"{what}: learner (rank 0) stopped sending mid-transfer (or gave up after "
+                f"another worker failed); generator worker rank {self.rank} waited "
+                f"{self.address.timeout_s:g} s ({exc}). The group is unusable now: the learner "
+                "must build a new one."
             ) from exc
 
     def close(self) -> None:
         self._group = None
         self._store = None
+
+
+class BufferPool:
+    """Receive buffers, each reused once nothing outside the pool holds a view of it.
+
+    Fresh memory costs page faults on first touch, about five times a copy of the same bytes
+    on the CPU, so buffers are kept across buckets and syncs. A loader may hold a bucket's
+    tensors past the bucket (vLLM's reload keeps a layer's tensors until all of them are in),
+    so a buffer is free only when the use count of its storage is back to what it was when
+    the pool alone held it; in-flight broadcasts hold it too.
+    """
+
+    def __init__(self, device: torch.device, keep: int = 3):
+        self.device = device
+        self.keep = keep  # free buffers kept between syncs
+        self._buffers: list[tuple[torch.Tensor, int | None]] = []  # (buffer, idle use count)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of `nbytes`, a view into a pooled buffer (held while it is used)."""
+        for buffer, idle in self._buffers:
+            if buffer.numel() >= nbytes and idle is not None and _use_count(buffer) == idle:
+                return buffer[:nbytes]
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._buffers.append((buffer, _use_count(buffer)))
+        return buffer[:nbytes]
+
+    def trim(self) -> None:
+        """Keep the `keep` largest free buffers (and every busy one); forget the others."""
+        free, busy = [], []
+        for entry in self._buffers:
+            buffer, idle = entry
+            (free if idle is not None and _use_count(buffer) == idle else busy).append(entry)
+        free.sort(key=lambda entry: entry[0].numel(), reverse=True)
+        self._buffers = busy + free[: self.keep]
+
+
+def _use_count(tensor: torch.Tensor) -> int | None:
+    """References to the tensor's storage (views included), or None where torch cannot say."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    return None if count is None else count(tensor.untyped_storage()._cdata)

@@ -5,8 +5,9 @@ One sync of version v, as both ends see it (keys live in the group's own `TCPSto
 1. each generator worker writes `v<v>/ready/<rank>` and waits for the learner's key;
 2. the learner waits for every worker's key (a timeout names the absent workers), then writes
    `v<v>/ready/0` (a worker's timeout here says the learner did not send);
-3. per bucket: a broadcast of two int64 sizes (header bytes, bucket bytes), then a broadcast of
-   the bucket (see `buckets.py`); each worker loads the bucket's tensors into its engine;
+3. a broadcast of the first bucket's size, then one broadcast per bucket (`buckets.py`); each
+   bucket carries the next one's size, so both ends keep one bucket in flight while they pack
+   (learner) or load (workers) another;
 4. each worker writes `v<v>/loaded/<rank>` after the last bucket, and `send` returns when all
    have (so its time covers the weights being in every engine).
 """
@@ -27,12 +28,13 @@ from cagrpo_ray.sync.group import (
     SyncAddress,
     WeightSyncError,
     absent_ranks,
-    broadcast,
     describe_ranks,
     join_group,
     open_store,
     resolve_backend,
+    start_broadcast,
     sync_device,
+    wait,
 )
 
 
@@ -82,7 +84,7 @@ class WeightSender:
         self._group_future = self._joiner.submit(
             join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host
         )
-        self._buffer = torch.empty(0, dtype=torch.uint8, device=self._device)
+        self._buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
         self._broken: str | None = None
         self.version: int | None = None  # last version every receiver loaded
 
@@ -106,8 +108,9 @@ class WeightSender:
         """Broadcast `named_tensors` as policy `version` to every generator worker.
 
         `named_tensors` are full (unsharded) tensors with the Hugging Face parameter names the
-        engines' `load_weights` expects; it is consumed lazily, one bucket at a time. Returns
-        once every worker has loaded them.
+        engines' `load_weights` expects. It is consumed lazily, one bucket ahead of the bucket
+        being packed, so each tensor must stay valid until about two buckets later (live
+        parameters and fresh copies do). Returns once every worker has loaded them.
         """
         what = f"weight sync v{version}"
         group = self._group(what)
@@ -121,19 +124,28 @@ class WeightSender:
             )
         self._store.set(f"v{version}/ready/{LEARNER_RANK}", "1")
 
-        sizes = torch.zeros(2, dtype=torch.int64, device=self._device)
+        buckets = (
+            plan_bucket(tensors, version, index)
+            for index, tensors in enumerate(group_into_buckets(named_tensors, self.bucket_bytes))
+        )
+        current = next(buckets)
+        first_size = torch.tensor([current.nbytes], dtype=torch.int64, device=self._device)
+        self._wait(self._start(group, first_size), f"{what}: first bucket size")
+        in_flight = None
         num_tensors = num_bytes = num_buckets = 0
-        buckets = group_into_buckets(named_tensors, self.bucket_bytes)
-        for index, (tensors, last) in enumerate(buckets):
-            plan = plan_bucket(tensors, version, index, last)
-            bucket = self._bucket_buffer(plan.nbytes)
-            pack_bucket(tensors, plan, bucket)
-            sizes[0], sizes[1] = len(plan.encoded_header), plan.nbytes
-            self._broadcast(group, sizes, f"{what}: bucket {index} sizes")
-            self._broadcast(group, bucket, f"{what}: bucket {index} ({plan.nbytes} bytes)")
-            num_tensors += len(tensors)
-            num_bytes += sum(s.nbytes for s in plan.header.slots)
+        while current is not None:
+            following = next(buckets, None)  # pulled (a ZeRO-3 gather) while a bucket flies
+            buffer = self._bucket_buffer(num_buckets % 2, current.nbytes)
+            pack_bucket(current, following.nbytes if following else 0, buffer)
+            if in_flight is not None:
+                self._wait(*in_flight)  # frees the other buffer for the next bucket
+            description = f"{what}: bucket {num_buckets} ({current.nbytes} bytes)"
+            in_flight = (self._start(group, buffer), description)
+            num_tensors += len(current.tensors)
+            num_bytes += sum(slot.nbytes for slot in current.header.slots)
             num_buckets += 1
+            current = following
+        self._wait(*in_flight)
 
         absent = absent_ranks(self._store, f"v{version}/loaded", workers, self.timeout_s)
         if absent:
@@ -154,15 +166,22 @@ class WeightSender:
         self.version = version
         return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
-    def _bucket_buffer(self, nbytes: int) -> torch.Tensor:
-        # One buffer reused across buckets and syncs: fresh pages cost more than the copy.
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
-        return self._buffer[:nbytes]
+    def _bucket_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        # Two buffers, reused across buckets and syncs: one is packed while the other flies.
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+        return self._buffers[slot][:nbytes]
 
-    def _broadcast(self, group, tensor: torch.Tensor, what: str) -> None:
+    def _start(self, group, tensor: torch.Tensor):
         try:
-            broadcast(group, tensor, self.timeout_s)
+            return start_broadcast(group, tensor, self.timeout_s)
+        except (RuntimeError, dist.DistError) as exc:
+            self._broken = "a broadcast failed to start"
+            raise WeightSyncError(f"weight sync: a broadcast failed to start: {exc}") from exc
+
+    def _wait(self, work, what: str) -> None:
+        try:
+            wait(work, self.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
             self._broken = f"{what} failed"
             raise WeightSyncError(
