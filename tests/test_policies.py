@@ -271,11 +271,11 @@ def test_small_budget_warm_start_beats_random_init(monkeypatch, tmp_path):
             spec.seed,
             spec.eval_size,
             "eval",
-            exclude_sizes={"sft": spec.sft_steps * spec.batch_size},
+            exclude_sizes={"sft": spec.sft_size},
         )
     )
     random_model, tokenizer = new_policy(spec.seed, spec.size)
-    random_accuracy, _ = accuracy(
+    random_accuracy, _, _ = accuracy(
         random_model, tokenizer, held_out, sample=False, max_new_tokens=spec.max_new_tokens
     )
     # Measurably above: the exact 98% intervals of the two accuracies on the same n held-out

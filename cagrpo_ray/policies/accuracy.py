@@ -40,8 +40,9 @@ def generate_responses(
     max_new_tokens: int,
     seed: int = 0,
     batch_size: int = 128,
-) -> list[str]:
-    """One response per item: sampled at temperature 1 (no top-k, no top-p) or greedy.
+) -> tuple[list[str], list[int]]:
+    """One response per item, sampled at temperature 1 (no top-k, no top-p) or greedy: the
+    texts and their lengths in tokens (eos included when generated).
 
     Prompts are left-padded, as batched `generate` needs; special tokens are dropped from the
     text, R1 tags are not (they are ordinary tokens).
@@ -55,7 +56,7 @@ def generate_responses(
     config.eos_token_id = tokenizer.eos_token_id
     model.eval()
     torch.manual_seed(seed)
-    responses = []
+    responses, lengths = [], []
     for start in range(0, len(items), batch_size):
         prompts = [
             format_prompt(tokenizer, item.question) for item in items[start : start + batch_size]
@@ -66,18 +67,21 @@ def generate_responses(
         output = model.generate(
             input_ids=input_ids, attention_mask=attention_mask, generation_config=config
         )
-        responses += tokenizer.batch_decode(output[:, width:], skip_special_tokens=True)
-    return responses
+        generated = output[:, width:]
+        responses += tokenizer.batch_decode(generated, skip_special_tokens=True)
+        # generate pads finished rows with pad after their eos
+        lengths += (generated != tokenizer.pad_token_id).sum(dim=1).tolist()
+    return responses, lengths
 
 
 def accuracy(
     model, tokenizer, items: list[PromptItem], *, sample: bool, max_new_tokens: int, seed: int = 0
-) -> tuple[float, list[str]]:
-    """Fraction of `items` answered correctly, and the responses."""
-    responses = generate_responses(
+) -> tuple[float, list[str], list[int]]:
+    """Fraction of `items` answered correctly, the responses and their lengths in tokens."""
+    responses, lengths = generate_responses(
         model, tokenizer, items, sample=sample, max_new_tokens=max_new_tokens, seed=seed
     )
     correct = sum(
         is_correct(response, item) for response, item in zip(responses, items, strict=True)
     )
-    return correct / len(items), responses
+    return correct / len(items), responses, lengths

@@ -46,17 +46,23 @@ class PolicySpec:
 
     task: str = "chain_sum"  # reasoning_gym dataset with a worked-solution writer
     task_config: dict[str, Any] = field(
-        default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+        default_factory=lambda: {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}
     )  # the dataset's config fields
     size: PolicySize = field(default_factory=PolicySize)
-    sft_steps: int = 500  # optimizer steps of the warm start; each sees new examples
+    sft_steps: int = 400  # optimizer steps of the warm start; each sees new examples
     batch_size: int = 64  # examples per step
     lr: float = 1.5e-3  # AdamW peak learning rate
-    warmup_steps: int = 25  # linear warm-up, then cosine decay to a tenth of `lr`
+    warmup_steps: int = 20  # linear warm-up, then cosine decay to a tenth of `lr`
     weight_decay: float = 0.01
     seed: int = 0  # initial weights and the task's seed regions (see ReasoningGymSource)
     eval_size: int = 256  # held-out prompts for the accuracy in build_info.json
     max_new_tokens: int = 64  # response budget when measuring accuracy
+
+    @property
+    def sft_size(self) -> int:
+        """Examples the warm start draws from the task's "sft" split; an eval split that must
+        hold no question the policy was trained on excludes this many (`exclude_sizes`)."""
+        return self.sft_steps * self.batch_size
 
     def key(self) -> str:
         """Cache key: the task name and a hash of the spec and `BUILD_VERSION`."""
@@ -98,7 +104,7 @@ def build_policy(
     start = time.monotonic()
     torch.set_num_threads(threads or min(2, torch.get_num_threads()))
     say = _stage_printer(progress)
-    n_examples = spec.sft_steps * spec.batch_size
+    n_examples = spec.sft_size
     say(f"drawing {n_examples} {spec.task} examples and {spec.eval_size} held-out prompts")
     sft_items = list(ReasoningGymSource(spec.task, spec.task_config, spec.seed, n_examples, "sft"))
     held_out = list(
@@ -128,14 +134,13 @@ def build_policy(
     )
     train_seconds = time.monotonic() - start
     say("measuring held-out accuracy")
-    sampled, sampled_responses = accuracy(
+    sampled, sampled_responses, lengths = accuracy(
         model, tokenizer, held_out, sample=True, max_new_tokens=spec.max_new_tokens, seed=spec.seed
     )
-    greedy, _ = accuracy(
+    greedy, _, _ = accuracy(
         model, tokenizer, held_out, sample=False, max_new_tokens=spec.max_new_tokens
     )
     out = save_policy(model, tokenizer, out_dir)
-    lengths = [len(tokenizer.encode(r, add_special_tokens=False)) for r in sampled_responses]
     info = {
         "key": spec.key(),
         "parameters": parameter_count(model),
