@@ -237,13 +237,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "cagrpo_grad_norm",
         "gauge",
         "Gradient norm before clipping.",
-        _one("grad_norm"),
+        _one("learner/grad_norm"),
     ),
     MetricSpec(
         "cagrpo_learning_rate",
         "gauge",
         "Learning rate of the last optimizer step.",
-        _one("lr"),
+        _one("learner/lr"),
     ),
     # Responses
     MetricSpec(
