@@ -9,9 +9,9 @@
 # Python environment (/opt/venv, first on PATH), the configs in /app and a non-root user
 # `ray` (uid 1000, as KubeRay's examples assume); /etc/profile.d puts the venv on the PATH of
 # login shells too (KubeRay starts Ray with `bash -lc`, and Debian's /etc/profile resets PATH).
-# Final stages keep a C compiler on purpose:
-# vLLM's torch.compile (Triton on GPUs, C++ on CPUs) compiles kernels at run time. They carry
-# no CUDA toolkit, no package caches and no installer other than the venv's own.
+# The final stages keep a C compiler on purpose, since vLLM's torch.compile (Triton on GPUs,
+# C++ on CPUs) compiles kernels at run time; they carry no CUDA toolkit, no make, no package
+# caches and no installer other than the venv's own pip.
 
 ARG PYTHON_VERSION=3.11.13
 ARG CUDA_VERSION=12.8.1
@@ -26,6 +26,7 @@ FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS gpu-build
 ARG PYTHON_VERSION
 ENV DEBIAN_FRONTEND=noninteractive \
     UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_PYTHON_PREFERENCE=only-managed \
     UV_NO_CACHE=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
@@ -64,7 +65,7 @@ RUN apt-get update \
 COPY --from=gpu-build /opt/python /opt/python
 COPY --from=gpu-build /opt/venv /opt/venv
 WORKDIR /app
-COPY --chown=ray:ray configs ./configs
+COPY configs ./configs
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     DS_ACCELERATOR=cuda \
@@ -81,7 +82,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential libnuma-dev \
+    && apt-get install -y --no-install-recommends build-essential \
     && rm -rf /var/lib/apt/lists/* \
     && python -m venv /opt/venv \
     && pip install --upgrade pip==25.2 setuptools==80.9.0 wheel==0.45.1
@@ -109,7 +110,7 @@ RUN apt-get update \
     && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/venv.sh
 COPY --from=cpu-build /opt/venv /opt/venv
 WORKDIR /app
-COPY --chown=ray:ray configs ./configs
+COPY configs ./configs
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     DS_ACCELERATOR=cpu \
