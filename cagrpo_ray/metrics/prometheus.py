@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from numbers import Real
 from typing import Any, Literal
 
@@ -60,7 +60,7 @@ class MetricSpec:
     help: str
     sources: Mapping[str, str | None]
     label: str | None = None
-    buckets: tuple[float, ...] = field(default=())
+    buckets: tuple[float, ...] = ()
 
 
 def _one(key: str) -> dict[str, None]:
