@@ -520,7 +520,7 @@ def _progress_line(m: dict) -> str:
     keys = [
         ("reward/mean", "reward"),
         ("accuracy/train", "acc"),
-        ("policy/entropy", "entropy"),
+        ("entropy/mean", "entropy"),
         ("response/length_mean", "len"),
         ("time/step", "s/step"),
         ("throughput/generated_tokens_per_s", "gen tok/s"),

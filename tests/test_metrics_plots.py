@@ -30,7 +30,7 @@ def test_plots_are_written_for_every_figure(tmp_path):
             "reward/mean": s * 0.1,
             "policy/entropy": 1.0 / s,
             "cov/q0.01": -s,
-            "kernel/min": 0.5,
+            "cagrpo/weight_min": 0.5,
             "throughput/generated_tokens_per_s": 1000.0 + s,
         }
         for s in range(1, 11)

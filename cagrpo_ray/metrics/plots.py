@@ -22,9 +22,9 @@ FIGURES: dict[str, tuple[str, str, list[str]]] = {
         "mean over samples",
         ["reward/mean", "accuracy/train", "eval/pass@1", "eval/pass@k"],
     ),
-    "entropy": ("Policy entropy", "nats per token", ["policy/entropy"]),
+    "entropy": ("Policy entropy", "nats per token", ["entropy/mean"]),
     "covariance": ("Covariance of log-prob and advantage", "quantile", ["cov/*"]),
-    "kernel_weights": ("CA-GRPO kernel weights", "weight", ["kernel/*"]),
+    "kernel_weights": ("CA-GRPO kernel weights", "weight", ["cagrpo/weight_*"]),
     "throughput": ("Throughput", "tokens per second", ["throughput/*"]),
     "time": ("Step time by phase", "seconds", ["time/*"]),
 }
