@@ -20,7 +20,7 @@ FIGURES: dict[str, tuple[str, str, list[str]]] = {
     "reward": (
         "Reward and accuracy",
         "mean over samples",
-        ["reward/mean", "accuracy/train", "eval/pass@1", "eval/pass@k"],
+        ["reward/mean", "accuracy/train", "eval/pass@*"],
     ),
     "entropy": ("Policy entropy", "nats per token", ["entropy/mean"]),
     "covariance": ("Covariance of log-prob and advantage", "quantile", ["cov/*"]),
