@@ -170,6 +170,12 @@ class EvalConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for evaluation.")
 
 
+class MetricsConfig(Section):
+    enabled: bool = Field(True, description="Serve live metrics for Prometheus from the driver.")
+    port: int = Field(9400, ge=0, le=65535, description="Exporter port (0: pick a free one).")
+    host: str = Field("0.0.0.0", description="Interface the exporter binds.")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="The run as a whole.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy.")
@@ -182,6 +188,9 @@ class Config(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig, description="Learners.")
     sync: SyncConfig = Field(default_factory=SyncConfig, description="Weight sync.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation.")
+    metrics: MetricsConfig = Field(
+        default_factory=MetricsConfig, description="Prometheus exporter."
+    )
 
 
 class ConfigError(ValueError):

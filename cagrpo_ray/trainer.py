@@ -103,6 +103,7 @@ class Trainer:
         self.policy_version = 0
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.exporter = None
 
     # ------------------------------------------------------------------------ set-up
 
@@ -157,6 +158,12 @@ class Trainer:
             num_gpus_per_learner=cfg.learner.num_gpus_per_learner,
         )
         self.buffer = RolloutBuffer()
+        if cfg.metrics.enabled:
+            from cagrpo_ray.metrics.prometheus import PrometheusExporter
+
+            self.exporter = PrometheusExporter(cfg.run.name, cfg.metrics.port, cfg.metrics.host)
+            self.exporter.start()
+            log.info("metrics for Prometheus at %s", self.exporter.url)
         if self.resume:
             self._load_latest_checkpoint()
         self._build_sync_group()
@@ -382,6 +389,7 @@ class Trainer:
                 "buffer/dropped_stale_groups": self.buffer.dropped_stale,
                 "staleness/mean": float(staleness.float().mean()),
                 "staleness/max": int(staleness.max()),
+                "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
                 "policy_version": self.policy_version,
                 "data/cursor": self.cursor,
@@ -409,32 +417,57 @@ class Trainer:
         return result
 
     def run(self) -> dict:
+        """Train to `run.steps` (or until a signal), then evaluate, plot and summarize."""
         cfg = self.config
         self._install_signal_handlers()
-        self.setup()
-        before = self.evaluate("before") if self.step == 0 else None
-        self.metrics.truncate_after(self.step)
-        while self.step < cfg.run.steps and not self.stop_requested:
-            metrics = self.train_step()
-            if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
-                metrics.update(_prefixed("eval/", self.evaluate(f"step {self.step}")))
-            self.metrics.write({"step": self.step, **metrics})
-            log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
-            if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
-                self.save_checkpoint()
-        self.save_checkpoint()
-        if self.stop_requested:
-            log.warning("stopped by signal at step %d; checkpoint written", self.step)
-            return {"stopped_at": self.step}
-        after = self.evaluate("after")
-        records = read_metrics(self.metrics.path)
-        plot_run(records, self.run_dir / "plots")
-        summary = {"final_step": self.step}
-        if before is not None:
-            summary["eval_before"] = before
-        summary["eval_after"] = after
-        write_summary(records, self.run_dir / "summary.json", summary)
-        return summary
+        try:
+            self.setup()
+            summary: dict = {}
+            if self.step == 0:
+                summary["eval_before"] = self.evaluate("before")
+                if self.exporter is not None:
+                    self.exporter.observe_step(0, _prefixed("eval/", summary["eval_before"]))
+            self.metrics.truncate_after(self.step)
+            while self.step < cfg.run.steps and not self.stop_requested:
+                self._log_step(self.train_step())
+                if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
+                    self.save_checkpoint()
+            self.save_checkpoint()
+            if self.stop_requested:
+                log.warning("stopped by signal at step %d; checkpoint written", self.step)
+                summary["stopped_at"] = self.step
+            else:
+                summary["eval_after"] = self.evaluate("after")
+            summary["final_step"] = self.step
+            records = read_metrics(self.metrics.path)
+            plot_run(records, self.run_dir / "plots")
+            write_summary(records, self.run_dir / "summary.json", summary)
+            return summary
+        finally:
+            self.close()
+
+    def _log_step(self, metrics: dict) -> None:
+        cfg = self.config
+        if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
+            metrics.update(_prefixed("eval/", self.evaluate(f"step {self.step}")))
+        if self.exporter is not None:
+            self.exporter.observe_step(self.step, metrics)
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
+        self.metrics.write({"step": self.step, **scalars})
+        log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
+
+    def close(self) -> None:
+        """Stop the exporter and the run's actors (the Ray cluster itself stays up)."""
+        if self.exporter is not None:
+            self.exporter.close()
+            self.exporter = None
+        learners = getattr(self, "learners", None)
+        if learners is not None:
+            learners.shutdown()
+        for actor in getattr(self, "generators", []) + [getattr(self, "reward_pool", None)]:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+        self.generators, self.reward_pool, self.learners = [], None, None
 
     # ------------------------------------------------------------------- checkpoints
 

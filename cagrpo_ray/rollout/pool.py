@@ -82,6 +82,22 @@ class GeneratorPool:
                 free.append(replica)
                 continue
             self.busy_seconds[replica] += time.monotonic() - submitted
+            versions = {c.policy_version for group in outputs for c in group}
+            if versions and versions != {self.policy_version}:
+                # Restarted between our calls (Ray queues calls while it restarts the actor):
+                # it answered with its initial weights. Resync it and redo the chunk.
+                log.warning(
+                    "generator replica %d answered with policy versions %s instead of %d; "
+                    "resyncing it",
+                    replica,
+                    sorted(versions),
+                    self.policy_version,
+                )
+                self.restarts += 1
+                self.needs_weights.add(replica)
+                chunks.appendleft((start, chunk))
+                free.append(replica)
+                continue
             results[start : start + len(chunk)] = outputs
             free.append(replica)
         return results  # type: ignore[return-value]
