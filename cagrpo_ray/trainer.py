@@ -412,6 +412,7 @@ class Trainer:
             cfg.eval.samples,
             sampling,
             instruction=instruction_text(cfg),
+            details=True,
         )
         log.info("eval (%s, step %d): %s", label, self.step, _fmt(result))
         return result
