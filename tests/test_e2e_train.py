@@ -78,7 +78,12 @@ def test_training_raises_heldout_accuracy(reference_run):
     assert [p["uid"] for p in before] == [p["uid"] for p in after]
     samples = summary["eval_before"]["samples"]
     # Paired over the same 128 held-out prompts: d_i = accuracy after - before on prompt i.
-    d = np.array([(a["num_correct"] - b["num_correct"]) / samples for a, b in zip(after, before)])
+    d = np.array(
+        [
+            (a["num_correct"] - b["num_correct"]) / samples
+            for a, b in zip(after, before, strict=True)
+        ]
+    )
     se = d.std(ddof=1) / math.sqrt(len(d))
     # One-sided 99% bound: the gain is real if its mean exceeds 2.33 standard errors.
     assert d.mean() > 2.33 * se, (
