@@ -387,7 +387,9 @@ def test_vllm_generator_names_a_learner_that_does_not_send_then_syncs_again(
     vllm_engine.llm.collective_rpc = spy
     start = time.monotonic()
     try:
-        with pytest.raises(Exception, match=r"weight sync v9: learner \(rank 0\) did not send"):
+        with pytest.raises(
+            WeightSyncError, match=r"weight sync v9: learner \(rank 0\) did not send"
+        ):
             vllm_engine.receive_weights(9)
     finally:
         vllm_engine.llm.collective_rpc = rpc

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from cagrpo_ray.rollout.types import Completion, SamplingConfig
-from cagrpo_ray.sync import SyncAddress, as_sync_address
+from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
 
 WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
 CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the box (ENVIRONMENT.md)
@@ -135,18 +135,12 @@ class VLLMEngine:
         address = as_sync_address(address)
         # A backstop only: every wait inside the workers is bounded by address.timeout_s.
         self._rpc_timeout_s = 4 * address.timeout_s + 60
-        return self.llm.collective_rpc(
-            "init_weight_sync",
-            args=(dataclasses.asdict(address), rank_offset),
-            timeout=self._rpc_timeout_s,
-        )
+        return self._sync_rpc("init_weight_sync", dataclasses.asdict(address), rank_offset)
 
     def receive_weights(self, version: int, record_digests: bool = False) -> dict:
         """Receive `version` into every worker; returns {"version", "num_bytes", "seconds"}
         (the slowest worker's) and, with `record_digests`, each worker's received digests."""
-        results = self.llm.collective_rpc(
-            "receive_weights", args=(version, record_digests), timeout=self._rpc_timeout_s
-        )
+        results = self._sync_rpc("receive_weights", version, record_digests)
         self.llm.reset_prefix_cache()
         self.policy_version = version
         summary = {
@@ -157,6 +151,14 @@ class VLLMEngine:
         if record_digests:
             summary["digests"] = [r["digests"] for r in results]
         return summary
+
+    def _sync_rpc(self, method: str, *args) -> list:
+        # vLLM re-raises a worker's error as a bare Exception carrying its message (which
+        # names the rank that did not come); give callers one type to catch.
+        try:
+            return self.llm.collective_rpc(method, args=args, timeout=self._rpc_timeout_s)
+        except Exception as exc:
+            raise WeightSyncError(f"vLLM engine, {method}: {exc}") from exc
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """Per worker: sha256 of each parameter vLLM keeps as a tensor (see worker_extension)."""

@@ -8,10 +8,11 @@ travel through the weight-sync process group (`cagrpo_ray.sync`).
 
 Weights go in through vLLM's in-place reload (`Worker.reload_weights`), not the model's bare
 `load_weights`: on the CPU, vLLM repacks every linear layer's weight for its GEMM kernels after
-loading and frees the original parameter, so a bare `load_weights` has nowhere to write; the
-reload path rebuilds each layer from the checkpoint-format tensors and runs that processing
-again. A whole sync goes through one reload call, because a layer whose tensors straddle two
-buckets (q, k, v of one attention block, say) is processed only once all of them are in.
+loading and replaces the original parameter with an empty one, so a bare `load_weights` fails
+(the empty parameter has no `weight_loader`); the reload path rebuilds each layer from the
+checkpoint-format tensors and runs that processing again. A whole sync goes through one reload
+call, because a layer whose tensors straddle two buckets (q, k, v of one attention block, say)
+is processed only once all of them are in.
 
 One more CPU trap: a tied `lm_head` shares its weight with the token embedding, but its packed
 GEMM weight is its own copy, and the reload rebuilds only layers that received tensors (the
