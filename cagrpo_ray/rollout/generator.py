@@ -40,8 +40,8 @@ class Generator:
         self.generated_tokens += sum(len(c.token_ids) for group in outputs for c in group)
         return outputs
 
-    def init_weight_sync(self, address: dict, rank_offset: int) -> int:
-        """Join the learner's weight-sync group; returns how many worker ranks this replica has."""
+    def init_weight_sync(self, address: dict, rank_offset: int) -> list[int]:
+        """Join the learner's weight-sync group; returns the sync ranks of its workers."""
         return self.engine.init_weight_sync(address, rank_offset)
 
     def receive_weights(self, version: int) -> dict:
