@@ -19,6 +19,7 @@ from cagrpo_ray.policies.build import (
     PolicySpec,
     cache_root,
     ensure_policy,
+    heldout_items,
     load_policy,
     resolve_policy,
 )
@@ -253,7 +254,7 @@ def test_clopper_pearson_known_values():
     assert lower == pytest.approx(0.1871, abs=1e-4) and upper == pytest.approx(0.8129, abs=1e-4)
 
 
-SMALL_BUDGET_STEPS = 150
+SMALL_BUDGET_STEPS = 200
 
 
 @pytest.mark.integration
@@ -264,16 +265,7 @@ def test_small_budget_warm_start_beats_random_init(monkeypatch, tmp_path):
     path = ensure_policy(spec, progress=False)
     info = json.loads((path / build.BUILD_INFO).read_text())
     n = info["heldout_size"]
-    held_out = list(
-        ReasoningGymSource(
-            spec.task,
-            spec.task_config,
-            spec.seed,
-            spec.eval_size,
-            "eval",
-            exclude_sizes={"sft": spec.sft_size},
-        )
-    )
+    _, held_out = heldout_items(spec)
     random_model, tokenizer = new_policy(spec.seed, spec.size)
     random_accuracy, _, _ = accuracy(
         random_model, tokenizer, held_out, sample=False, max_new_tokens=spec.max_new_tokens

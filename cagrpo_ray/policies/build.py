@@ -29,6 +29,7 @@ import torch
 
 from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 from cagrpo_ray.data.solutions import worked_solution
+from cagrpo_ray.data.types import PromptItem
 from cagrpo_ray.policies.accuracy import accuracy
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, save_policy
 from cagrpo_ray.policies.sft import encode_examples, train_sft
@@ -49,18 +50,22 @@ class PolicySpec:
         default_factory=lambda: {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}
     )  # the dataset's config fields
     size: PolicySize = field(default_factory=PolicySize)
-    sft_steps: int = 400  # optimizer steps of the warm start; each sees new examples
+    sft_steps: int = 800  # most optimizer steps of the warm start; each step sees new examples
+    target_accuracy: float | None = 0.3  # stop once validation accuracy (sampled) reaches it;
+    # None trains all `sft_steps`
+    eval_every: int = 25  # steps between validation measurements
+    validation_size: int = 128  # prompts for the stopping rule, apart from the reported ones
     batch_size: int = 64  # examples per step
     lr: float = 1.5e-3  # AdamW peak learning rate
-    warmup_steps: int = 20  # linear warm-up, then cosine decay to a tenth of `lr`
+    warmup_steps: int = 20  # linear warm-up, then cosine decay to a tenth of `lr` at sft_steps
     weight_decay: float = 0.01
     seed: int = 0  # initial weights and the task's seed regions (see ReasoningGymSource)
-    eval_size: int = 256  # held-out prompts for the accuracy in build_info.json
+    eval_size: int = 256  # held-out prompts for the accuracy reported in build_info.json
     max_new_tokens: int = 64  # response budget when measuring accuracy
 
     @property
     def sft_size(self) -> int:
-        """Examples the warm start draws from the task's "sft" split; an eval split that must
+        """Examples the warm start may draw from the task's "sft" split; an eval split that must
         hold no question the policy was trained on excludes this many (`exclude_sizes`)."""
         return self.sft_steps * self.batch_size
 
@@ -70,19 +75,43 @@ class PolicySpec:
         return f"{self.task}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 
     def with_budget(self, sft_steps: int) -> PolicySpec:
-        """The same spec with a different number of warm-start steps (warm-up scaled along)."""
+        """The same spec trained for exactly `sft_steps` steps (no early stop, warm-up scaled)."""
         warmup = max(1, round(self.warmup_steps * sft_steps / self.sft_steps))
-        return dataclasses.replace(self, sft_steps=sft_steps, warmup_steps=warmup)
+        return dataclasses.replace(
+            self, sft_steps=sft_steps, warmup_steps=warmup, target_accuracy=None
+        )
 
 
 PRESETS: dict[str, PolicySpec] = {
+    # Sums of 2 to 4 one-digit terms: 1 to 3 partial sums, responses of about 25 tokens.
     "chain_sum": PolicySpec(),
-    # More terms and digits: longer chains, more places to go wrong, more room for RL.
+    # 3 to 5 terms of one or two digits: 2 to 4 partial sums, responses of about 45 tokens,
+    # more places to go wrong, more room for RL.
     "chain_sum_hard": PolicySpec(
-        task_config={"min_terms": 3, "max_terms": 5, "min_digits": 2, "max_digits": 3},
+        task_config={"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 2},
+        target_accuracy=0.2,
         max_new_tokens=96,
     ),
 }
+
+
+def heldout_items(spec: PolicySpec) -> tuple[list[PromptItem], list[PromptItem]]:
+    """(validation prompts for the stopping rule, held-out prompts for the reported accuracy).
+
+    Both come from the task's eval split, hold no question of the warm-start data and none
+    twice, and are disjoint, so the reported accuracy is not biased by the choice of when to
+    stop.
+    """
+    source = ReasoningGymSource(
+        spec.task,
+        spec.task_config,
+        spec.seed,
+        spec.validation_size + spec.eval_size,
+        "eval",
+        exclude_sizes={"sft": spec.sft_size},
+    )
+    items = list(source)
+    return items[: spec.validation_size], items[spec.validation_size :]
 
 
 def cache_root() -> Path:
@@ -98,29 +127,49 @@ def build_policy(
 
     Writes the model and tokenizer in the Hugging Face layout and `build_info.json` with the
     parameter count, build seconds, held-out accuracy sampled at temperature 1 and greedy, and
-    the spec. Deterministic for a spec on one machine and thread count (`threads`, default
-    the torch default capped at 2).
+    the spec. Deterministic for a spec on one machine and thread count (`threads`, default 1:
+    on a shared 2-core machine a 2-thread build ran 5 times slower than a 1-thread one, as
+    its threads waited on each other; on an idle machine 2 threads are faster).
     """
+    caller_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or 1)
+    try:
+        return _build(spec, Path(out_dir), progress)
+    finally:
+        torch.set_num_threads(caller_threads)
+
+
+def _build(spec: PolicySpec, out_dir: Path, progress: bool) -> Path:
     start = time.monotonic()
-    torch.set_num_threads(threads or min(2, torch.get_num_threads()))
     say = _stage_printer(progress)
-    n_examples = spec.sft_size
-    say(f"drawing {n_examples} {spec.task} examples and {spec.eval_size} held-out prompts")
-    sft_items = list(ReasoningGymSource(spec.task, spec.task_config, spec.seed, n_examples, "sft"))
-    held_out = list(
-        ReasoningGymSource(
-            spec.task,
-            spec.task_config,
-            spec.seed,
-            spec.eval_size,
-            "eval",
-            exclude_sizes={"sft": n_examples},
-        )
+    say(f"drawing {spec.sft_size} {spec.task} examples and the held-out prompts")
+    sft_items = list(
+        ReasoningGymSource(spec.task, spec.task_config, spec.seed, spec.sft_size, "sft")
     )
+    validation, held_out = heldout_items(spec)
     model, tokenizer = new_policy(spec.seed, spec.size)
     examples = encode_examples(tokenizer, sft_items, [worked_solution(i) for i in sft_items])
     n_parameters = parameter_count(model)
-    say(f"warm start: {spec.sft_steps} steps of {spec.batch_size}, {n_parameters:,} parameters")
+    say(f"warm start: {n_parameters:,} parameters, at most {spec.sft_steps} steps")
+
+    validation_history: list[dict[str, float]] = []
+
+    def reached_target(step: int) -> bool:
+        if spec.target_accuracy is None or (step + 1) % spec.eval_every:
+            return False
+        sampled, _, _ = accuracy(
+            model,
+            tokenizer,
+            validation,
+            sample=True,
+            max_new_tokens=spec.max_new_tokens,
+            seed=spec.seed,
+        )
+        model.train()
+        validation_history.append({"step": step + 1, "accuracy_sampled": sampled})
+        return sampled >= spec.target_accuracy
+
+    train_start = time.monotonic()
     losses = train_sft(
         model,
         examples,
@@ -131,9 +180,10 @@ def build_policy(
         weight_decay=spec.weight_decay,
         pad_token_id=tokenizer.pad_token_id,
         progress=progress,
+        should_stop=reached_target,
     )
-    train_seconds = time.monotonic() - start
-    say("measuring held-out accuracy")
+    train_seconds = time.monotonic() - train_start
+    say(f"measuring held-out accuracy after {len(losses)} steps")
     sampled, sampled_responses, lengths = accuracy(
         model, tokenizer, held_out, sample=True, max_new_tokens=spec.max_new_tokens, seed=spec.seed
     )
@@ -143,15 +193,17 @@ def build_policy(
     out = save_policy(model, tokenizer, out_dir)
     info = {
         "key": spec.key(),
-        "parameters": parameter_count(model),
+        "parameters": n_parameters,
         "build_seconds": round(time.monotonic() - start, 1),
-        "train_seconds": round(train_seconds, 1),
+        "warm_start_seconds": round(train_seconds, 1),
         "threads": torch.get_num_threads(),
+        "sft_steps_run": len(losses),
         "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4),
         "heldout_accuracy_sampled": sampled,
         "heldout_accuracy_greedy": greedy,
         "heldout_size": len(held_out),
         "mean_sampled_response_tokens": sum(lengths) / len(lengths),
+        "validation_history": validation_history,
         "example_responses": [
             {"question": item.question, "answer": item.answer, "response": response}
             for item, response in zip(held_out[:4], sampled_responses[:4], strict=True)
@@ -228,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", help="copy the built policy here (default: print its cache path)")
     parser.add_argument("--steps", type=int, help="warm-start steps instead of the preset's")
     parser.add_argument("--seed", type=int, help="seed instead of the preset's")
-    parser.add_argument("--threads", type=int, help="torch threads (default: up to 2)")
+    parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
     args = parser.parse_args(argv)
     spec = PRESETS[args.task]

@@ -90,12 +90,13 @@ def train_sft(
     weight_decay: float,
     pad_token_id: int,
     progress: bool = True,
-    on_step: Callable[[int, float], None] | None = None,
+    should_stop: Callable[[int], bool] | None = None,
 ) -> list[float]:
     """AdamW on the mean token loss of the responses, `batch_size` examples a step in order.
 
-    `examples` must hold at least `steps * batch_size` examples; each is used once. Returns the
-    loss of every step.
+    `examples` must hold at least `steps * batch_size` examples; each is used once. After each
+    step, `should_stop(step)` may end training early (the schedule still spans `steps`).
+    Returns the loss of every step run.
     """
     if len(examples) < steps * batch_size:
         raise ValueError(f"{len(examples)} examples for {steps} steps of {batch_size}")
@@ -119,7 +120,8 @@ def train_sft(
         losses.append(loss.item())
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if on_step is not None:
-            on_step(step, losses[-1])
+        if should_stop is not None and should_stop(step):
+            break
+    bar.close()
     model.eval()
     return losses
