@@ -16,7 +16,6 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import logging
 import os
 import shutil
 import sys
@@ -33,8 +32,6 @@ from cagrpo_ray.data.types import PromptItem
 from cagrpo_ray.policies.accuracy import accuracy
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, save_policy
 from cagrpo_ray.policies.sft import encode_examples, train_sft
-
-log = logging.getLogger(__name__)
 
 # Bump when a code change alters what a spec builds, so that stale cached builds are not reused.
 BUILD_VERSION = 1
@@ -128,7 +125,7 @@ def build_policy(
     Writes the model and tokenizer in the Hugging Face layout and `build_info.json` with the
     parameter count, build seconds, held-out accuracy sampled at temperature 1 and greedy, and
     the spec. Deterministic for a spec on one machine and thread count (`threads`, default 1:
-    on a shared 2-core machine a 2-thread build ran 5 times slower than a 1-thread one, as
+    on a shared 2-core machine a 2-thread build ran about 5 times slower than a 1-thread one, as
     its threads waited on each other; on an idle machine 2 threads are faster).
     """
     caller_threads = torch.get_num_threads()
