@@ -31,8 +31,8 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder for checkpoints, metrics and plots.")
-    mode: Literal["sync", "async"] = Field(
-        "sync", description="sync: generate, score, train, sync in turn; async: overlap them."
+    mode: Literal["sync"] = Field(
+        "sync", description="sync: generate, score, train, sync in turn (on-policy)."
     )
     seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
