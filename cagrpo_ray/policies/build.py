@@ -272,10 +272,16 @@ def _stage_printer(enabled: bool):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m cagrpo_ray.policies.build", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--task", default="chain_sum", choices=sorted(PRESETS))
     parser.add_argument("--out", help="copy the built policy here (default: print its cache path)")
-    parser.add_argument("--steps", type=int, help="warm-start steps instead of the preset's")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="train exactly this many warm-start steps, without the early stop (a small budget)",
+    )
     parser.add_argument("--seed", type=int, help="seed instead of the preset's")
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
