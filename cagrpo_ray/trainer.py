@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import ray
+from ray.exceptions import RayActorError, RayError
 
 from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.config import Config
@@ -76,7 +77,14 @@ def _send_weights(learner, version: int):
         for _ in tensors:
             pass
         return None
-    stats = learner.weight_sender.send(tensors, version)
+    from cagrpo_ray.sync import WeightSyncError
+
+    try:
+        stats = learner.weight_sender.send(tensors, version)
+    except WeightSyncError as exc:
+        for _ in tensors:  # keep every rank's ZeRO-3 gathers matched
+            pass
+        return {"error": str(exc)}
     return dataclasses.asdict(stats)
 
 
@@ -260,21 +268,65 @@ class Trainer:
         ]
         self._wait(refs, "generator workers to join the weight-sync group")
 
-    def sync_weights(self) -> dict:
-        """Broadcast the learner's weights as `policy_version` to every generator."""
+    def sync_weights(self, attempts: int = 3) -> dict:
+        """Broadcast the learner's weights as `policy_version` to every generator.
+
+        A generator that dies during a sync (or a sync that times out) costs a rebuilt group
+        and another attempt once every replica answers again, not the run.
+        """
         start = time.perf_counter()
-        refs = [g.receive_weights.remote(self.policy_version) for g in self.generators]
-        stats = self.learners.foreach_learner(_send_weights, self.policy_version)[0]
-        self._wait(refs, f"generators to load weights v{self.policy_version}")
-        self.pool.policy_version = self.policy_version
-        return {"sync/seconds": time.perf_counter() - start, "sync/bytes": stats["num_bytes"]}
+        version = self.policy_version
+        for attempt in range(1, attempts + 1):
+            refs = [g.receive_weights.remote(version) for g in self.generators]
+            sent = self.learners.foreach_learner(_send_weights, version)[0]
+            problems = [] if "error" not in sent else [f"learner: {sent['error']}"]
+            for replica, ref in enumerate(refs):
+                try:
+                    self._wait([ref], f"generator {replica} to load weights v{version}")
+                except RayError as exc:
+                    problems.append(f"generator {replica}: {type(exc).__name__}: {exc}")
+                    if isinstance(exc, RayActorError):
+                        self.pool.restarts += 1
+            if not problems:
+                self.pool.policy_version = version
+                self.pool.needs_weights.clear()
+                return {
+                    "sync/seconds": time.perf_counter() - start,
+                    "sync/bytes": sent["num_bytes"],
+                }
+            log.warning(
+                "weight sync v%d, attempt %d of %d failed; rebuilding the group: %s",
+                version,
+                attempt,
+                attempts,
+                "; ".join(p[:300] for p in problems),
+            )
+            self._await_generators()
+            self._build_sync_group()
+        raise RuntimeError(f"weight sync v{version} failed {attempts} times; see the log")
+
+    def _await_generators(self, timeout_s: float = 900.0) -> None:
+        """Wait until every replica answers (Ray refuses calls while it restarts an actor)."""
+        deadline = time.monotonic() + timeout_s
+        for replica, generator in enumerate(self.generators):
+            while True:
+                try:
+                    ray.get(generator.ready.remote(), timeout=self.config.run.wait_warn_s)
+                    break
+                except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"generator replica {replica} did not come back"
+                        ) from exc
+                    log.warning("waiting for generator replica %d to restart", replica)
+                    time.sleep(1.0)
 
     def _on_generator_restart(self, replica: int) -> None:
         """A replica came back from a crash with its initial weights: rebuild the group."""
         log.warning(
             "generator replica %d restarted; resyncing weights v%d", replica, self.policy_version
         )
-        self._wait([self.generators[replica].ready.remote()], f"replica {replica} to restart")
+        self._await_generators()
         self._build_sync_group()
         self.sync_weights()
 

@@ -25,7 +25,7 @@ from cagrpo_ray.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 
-STEPS = 16
+STEPS = 30
 # Metrics that depend only on the data, the seeds and the weights (not on timing).
 DETERMINISTIC = [
     "reward/mean",
@@ -50,9 +50,10 @@ def overrides(tmp_path, name):
         "run.keep_checkpoints=4",
         "rollout.prompts_per_step=16",
         "rollout.group_size=8",
-        "data.eval_size=128",
+        "data.eval_size=200",
         "eval.samples=4",
         "metrics.port=0",
+        "sync.timeout_s=20",
     ]
 
 
@@ -77,7 +78,7 @@ def test_training_raises_heldout_accuracy(reference_run):
     after = summary["eval_after"]["per_prompt"]
     assert [p["uid"] for p in before] == [p["uid"] for p in after]
     samples = summary["eval_before"]["samples"]
-    # Paired over the same 128 held-out prompts: d_i = accuracy after - before on prompt i.
+    # Paired over the same 200 held-out prompts: d_i = accuracy after - before on prompt i.
     d = np.array(
         [
             (a["num_correct"] - b["num_correct"]) / samples
@@ -122,6 +123,7 @@ def test_resume_with_a_killed_generator_reproduces_the_reference(reference_run):
 
     def close_and_keep_pool():
         trainer_pool["restarts"] = trainer.pool.restarts
+        trainer._await_generators()
         trainer_pool["versions"] = ray.get([g.policy_version.remote() for g in trainer.generators])
         original_close()
 
