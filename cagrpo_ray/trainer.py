@@ -190,7 +190,7 @@ class Trainer:
                 d.seed,
                 d.eval_size,
                 "eval",
-                exclude_sizes={"train": d.train_size},
+                exclude_sizes=self._held_out_exclusions(),
             )
             return train, list(held_out.iter_from(0))
         if d.path is None or d.eval_path is None:
@@ -212,6 +212,23 @@ class Trainer:
             cores = os.cpu_count() or 1
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(replica % cores)
         return env
+
+    def _held_out_exclusions(self) -> dict[str, int]:
+        """Held-out prompts exclude the RL prompts and, for a built-in policy warm-started on
+        the same task, seed and config, its warm-start questions too."""
+        from cagrpo_ray.policies.build import PRESETS
+
+        d = self.config.data
+        exclude = {"train": d.train_size}
+        spec = PRESETS.get(self.config.model.path)
+        if (
+            spec is not None
+            and spec.task == d.dataset
+            and spec.task_config == d.dataset_config
+            and spec.seed == d.seed
+        ):
+            exclude["sft"] = spec.sft_size
+        return exclude
 
     def _engine_options(self, replica: int) -> dict:
         r = self.config.rollout
