@@ -25,9 +25,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import multiprocessing
-import platform
 import statistics
-import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,9 +34,12 @@ from pathlib import Path
 
 import torch
 
-from cagrpo_ray.policies.model import PolicySize, new_policy, random_policy
-from cagrpo_ray.sync import WeightSender
-from cagrpo_ray.sync.group import join_group, open_store, start_broadcast, wait
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_rollout_engine import machine as host_machine  # noqa: E402
+
+from cagrpo_ray.policies.model import PolicySize, new_policy, random_policy  # noqa: E402
+from cagrpo_ray.sync import WeightSender  # noqa: E402
+from cagrpo_ray.sync.group import join_group, open_store, start_broadcast, wait  # noqa: E402
 
 SIZES = {  # PolicySize overrides; parameter counts in the table
     "tiny": {},
@@ -156,13 +158,7 @@ def sync_seconds(target, model_dir, learner, generators, repeats, bucket_mb, tim
 
 
 def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
-        platform.processor(),
-    )
-    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    return f"{cores} cores ({model}), torch {torch.__version__}, {platform.python_version()}"
+    return f"{host_machine()}, torch {torch.__version__}"
 
 
 def main() -> None:
