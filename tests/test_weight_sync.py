@@ -115,9 +115,12 @@ def test_sender_reaches_receiver_processes_bit_for_bit_beside_a_default_group():
     import torch.distributed as dist
 
     # The learner's own default group (DeepSpeed's) must not be touched by the sync group.
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
-    )
+    # Learner tests keep one default group for the whole test session; reuse it when present.
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+        )
     try:
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
@@ -148,7 +151,8 @@ def test_sender_reaches_receiver_processes_bit_for_bit_beside_a_default_group():
         assert all(digests == expected for _, _, digests in got)
         assert dist.get_world_size() == 1  # the default group is still there, untouched
     finally:
-        dist.destroy_process_group()
+        if created:
+            dist.destroy_process_group()
 
 
 def _in_thread(fn, *args):
