@@ -109,6 +109,7 @@ class Trainer:
         self.step = 0
         self.cursor = 0  # index of the next training prompt
         self.policy_version = 0
+        self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
@@ -502,7 +503,8 @@ class Trainer:
                 self._log_step(self.train_step())
                 if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
-            self.save_checkpoint()
+            if self.checkpointed_step != self.step:  # the periodic save may have just run
+                self.save_checkpoint()
             if self.stop_requested:
                 log.warning("stopped by signal at step %d; checkpoint written", self.step)
                 summary["stopped_at"] = self.step
@@ -552,6 +554,7 @@ class Trainer:
         self.buffer.dump_parquet(path / "buffer.parquet")
         (path / STATE_FILE).write_text(json.dumps(state))
         (self.ckpt_root / "latest").write_text(path.name)
+        self.checkpointed_step = self.step
         for old in sorted(self.ckpt_root.glob("step_*"))[: -self.config.run.keep_checkpoints]:
             shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", path)
@@ -569,6 +572,7 @@ class Trainer:
 
         self.buffer.load_table(pq.read_table(path / "buffer.parquet"))
         self.step, self.cursor = state["step"], state["cursor"]
+        self.checkpointed_step = self.step
         self.policy_version = state["policy_version"]
         log.info("resumed from %s (step %d, data cursor %d)", path, self.step, self.cursor)
 

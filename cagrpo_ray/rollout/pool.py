@@ -8,6 +8,7 @@ current weights before it serves again (`needs_weights`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -107,4 +108,4 @@ def _chunk_sampling(sampling: SamplingConfig, start: int) -> SamplingConfig:
     """Per-chunk seed: the samples of a prompt do not depend on which replica drew them."""
     if sampling.seed is None:
         return sampling
-    return SamplingConfig(**{**sampling.__dict__, "seed": sampling.seed * 1_000_003 + start})
+    return dataclasses.replace(sampling, seed=sampling.seed * 1_000_003 + start)
