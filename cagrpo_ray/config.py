@@ -31,8 +31,17 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder for checkpoints, metrics and plots.")
-    mode: Literal["sync"] = Field(
-        "sync", description="sync: generate, score, train, sync in turn (on-policy)."
+    mode: Literal["sync", "async"] = Field(
+        "sync",
+        description="sync: generate, score, train, sync in turn (on-policy). async: generators "
+        "keep generating while the learner trains, within run.max_staleness.",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="async: the most policy versions a trained sample may lag the learner "
+        "(0 behaves like sync). Generation that would exceed it is not started; groups that "
+        "exceed it anyway are dropped and counted.",
     )
     seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
@@ -268,19 +277,26 @@ def from_dict(tree: dict) -> Config:
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Load YAML (or the defaults when path is None), apply `--set` overrides, validate."""
+def load_config(
+    path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None
+) -> Config:
+    """Load YAML (or the defaults when path is None), apply `--set` overrides, validate.
+
+    `path` may be a list of files: later files override earlier ones key by key (e.g. the
+    async schedule of configs/async.yaml under a GPU recipe).
+    """
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     tree: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        tree = yaml.safe_load(text) or {}
-        if not isinstance(tree, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for one in paths:
+        layer = yaml.safe_load(Path(one).read_text()) or {}
+        if not isinstance(layer, dict):
+            raise ConfigError(f"{one}: the top level must be a mapping of sections")
+        tree = _merge(tree, layer)
     tree = _merge(tree, parse_overrides(overrides or []))
     try:
         return from_dict(tree)
     except ConfigError as exc:
-        where = f"{path}: " if path else ""
+        where = f"{', '.join(map(str, paths))}: " if paths else ""
         raise ConfigError(f"{where}{exc}") from None
 
 
@@ -302,7 +318,12 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[s
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="YAML config (only what differs from the defaults).")
+    parser.add_argument(
+        "--config",
+        action="append",
+        help="YAML config (only what differs from the defaults); repeat to layer files, later "
+        "ones overriding earlier ones key by key.",
+    )
     parser.add_argument(
         "--set",
         dest="overrides",

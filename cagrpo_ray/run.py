@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     import ray
 
-    from cagrpo_ray.trainer import Trainer, required_cpus
+    from cagrpo_ray.trainer import make_trainer, required_cpus
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             os.cpu_count() or 1, math.ceil(required_cpus(config))
         )
         ray.init(num_cpus=num_cpus, include_dashboard=False)
-    summary = Trainer(config, resume=args.resume).run()
+    summary = make_trainer(config, resume=args.resume).run()
     print(json.dumps(summary, indent=2, default=str))
     return 0
 

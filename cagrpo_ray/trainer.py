@@ -98,6 +98,13 @@ def required_cpus(config: Config) -> float:
     )
 
 
+def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> float:
+    """Share of the replicas' wall time in which none of their requests was running."""
+    if replicas == 0 or wall_seconds <= 0:
+        return 0.0
+    return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
+
+
 class Trainer:
     """Runs one training job described by `config`; `run()` returns the final summary."""
 
@@ -432,6 +439,7 @@ class Trainer:
     def train_step(self) -> dict:
         cfg = self.config
         t_start = time.perf_counter()
+        busy_before = sum(self.pool.busy_seconds)
         items = self._next_prompts(cfg.rollout.prompts_per_step)
         metrics, generated = self.rollout(items)
         table = self.buffer.take(len(items), min_version=self.policy_version)
@@ -461,6 +469,9 @@ class Trainer:
                 "staleness/max": int(staleness.max()),
                 "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
+                "generators/idle_fraction": idle_fraction(
+                    sum(self.pool.busy_seconds) - busy_before, len(self.generators), step_time
+                ),
                 "policy_version": self.policy_version,
                 "data/cursor": self.cursor,
                 "tokens/generated": generated,
@@ -503,6 +514,7 @@ class Trainer:
                 self._log_step(self.train_step())
                 if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
+            self.finish_rollouts()
             if self.checkpointed_step != self.step:  # the periodic save may have just run
                 self.save_checkpoint()
             if self.stop_requested:
@@ -528,6 +540,16 @@ class Trainer:
         self.metrics.write({"step": self.step, **scalars})
         log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
 
+    def finish_rollouts(self) -> None:
+        """Bring rollouts still in flight home before the final checkpoint (none in sync)."""
+
+    def extra_state(self) -> dict:
+        """More trainer state for checkpoints (the async trainer's pending prompts)."""
+        return {}
+
+    def restore_extra_state(self, state: dict) -> None:
+        """Counterpart of `extra_state` on resume."""
+
     def close(self) -> None:
         """Stop the exporter and the run's actors (the Ray cluster itself stays up)."""
         if self.exporter is not None:
@@ -549,6 +571,7 @@ class Trainer:
             "step": self.step,
             "cursor": self.cursor,
             "policy_version": self.policy_version,
+            **self.extra_state(),
         }
         self.learners.save_checkpoint(str(path / "learner"), state)
         self.buffer.dump_parquet(path / "buffer.parquet")
@@ -574,6 +597,7 @@ class Trainer:
         self.step, self.cursor = state["step"], state["cursor"]
         self.checkpointed_step = self.step
         self.policy_version = state["policy_version"]
+        self.restore_extra_state(state)
         log.info("resumed from %s (step %d, data cursor %d)", path, self.step, self.cursor)
 
     # --------------------------------------------------------------------- plumbing
@@ -603,6 +627,15 @@ class Trainer:
                     len(refs),
                 )
         return ray.get(refs)
+
+
+def make_trainer(config: Config, resume: bool = False) -> Trainer:
+    """The trainer for `run.mode`: `Trainer` (sync) or `AsyncTrainer` (async)."""
+    if config.run.mode == "async":
+        from cagrpo_ray.async_trainer import AsyncTrainer
+
+        return AsyncTrainer(config, resume=resume)
+    return Trainer(config, resume=resume)
 
 
 class _RemoteRewardFunction:

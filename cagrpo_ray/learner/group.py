@@ -171,18 +171,30 @@ class LearnerGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
 
+    def submit_train_step(self, batch: dict[str, torch.Tensor]) -> list:
+        """`train_step` without waiting: the ranks' object refs, for `collect(refs)`."""
+        shards = split_by_groups(check_batch(batch), self.num_learners)
+        return self._submit("train_step", args_per_rank=[(ray.put(s),) for s in shards])
+
+    def submit_foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list:
+        """`foreach_learner` without waiting: the ranks' object refs, for `collect(refs)`."""
+        return self._submit("apply", args_per_rank=[(fn, *args)] * self.num_learners)
+
     def _call_all(
         self,
         method: str,
         args_per_rank: list[tuple] | None = None,
         per_rank: list[dict] | None = None,
     ) -> list[Any]:
-        """Call `method` on every rank at once and wait for all; fail fast on the first failure.
+        """Call `method` on every rank at once and wait for all; fail fast on the first failure."""
+        return self.collect(self._submit(method, args_per_rank, per_rank), method)
 
-        Waiting on the ranks one by one would hang on a dead rank's partners, which block in a
-        collective; so the group waits for whichever finishes first and, on a failure, kills
-        the rest before raising.
-        """
+    def _submit(
+        self,
+        method: str,
+        args_per_rank: list[tuple] | None = None,
+        per_rank: list[dict] | None = None,
+    ) -> list:
         if not self.actors:
             raise LearnerGroupError("the learner group was shut down")
         refs = []
@@ -190,6 +202,15 @@ class LearnerGroup:
             args = args_per_rank[rank] if args_per_rank else ()
             kwargs = per_rank[rank] if per_rank else {}
             refs.append(getattr(actor, method).remote(*args, **kwargs))
+        return refs
+
+    def collect(self, refs: list, method: str = "a call") -> list[Any]:
+        """The ranks' results in rank order, failing fast on the first failure.
+
+        Waiting on the ranks one by one would hang on a dead rank's partners, which block in a
+        collective; so the group waits for whichever finishes first and, on a failure, kills
+        the rest before raising.
+        """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending, results = list(refs), {}
         while pending:
