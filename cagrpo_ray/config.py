@@ -144,6 +144,11 @@ class AlgorithmConfig(Section):
     cov_scope: Literal["group", "batch"] = Field(
         "group", description="Token set over which CA-GRPO's covariance kernel is taken."
     )
+    cagrpo_kernel: Literal["normalized", "unnormalized", "ones"] = Field(
+        "normalized",
+        description="CA-GRPO's weights: normalized (the paper's w~); the ablations unnormalized "
+        "(raw Gaussian kernel w) and ones (every weight 1, which is GRPO).",
+    )
     std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
     clip_eps_low: float = Field(0.2, ge=0, description="PPO clip range below 1.")
     clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO: 0.28).")

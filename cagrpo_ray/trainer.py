@@ -268,6 +268,7 @@ class Trainer:
             clip_eps_high=a.clip_eps_high,
             loss_agg=a.loss_agg,
             cov_scope=a.cov_scope,
+            cagrpo_kernel=a.cagrpo_kernel,
             std_normalize=a.std_normalize,
             temperature=self.config.rollout.temperature,
             ref_model_path=self.model_path if a.kl_coef > 0 else None,

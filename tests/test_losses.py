@@ -546,3 +546,85 @@ def test_registry_errors_and_extension():
         torch.testing.assert_close(new.grad, torch.tensor([[-1.0] * 3, [1.0] * 3]) / 6)
     finally:
         del POLICY_LOSSES["vanilla_pg"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Ablation kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def reference_raw_weights(logp, adv, mask, group_ids, scope):
+    """w = exp(-c^2 / 2 sigma^2) without the |S| / sum_S w normalization (sigma < 1e-8: 1)."""
+    B, T = logp.shape
+    c = reference_covariance(logp, adv, mask, group_ids, scope)
+    weights = np.zeros((B, T))
+    for rows in reference_scopes(B, group_ids, scope):
+        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
+        if not tokens:
+            continue
+        cs = np.array([c[i, t] for i, t in tokens])
+        sigma = cs.std()
+        w = np.ones(len(tokens)) if sigma < 1e-8 else np.exp(-(cs**2) / (2 * sigma**2))
+        for (i, t), v in zip(tokens, w, strict=True):
+            weights[i, t] = v
+    return weights
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(["group", "batch"]))
+def test_unnormalized_kernel_matches_reference(b, scope):
+    _, old, adv, mask, gid = as_torch(b)
+    prepared = prepare_loss_inputs(
+        "cagrpo", old, adv, mask, gid, cov_scope=scope, cagrpo_kernel="unnormalized"
+    )
+    want = reference_raw_weights(b["old"], b["adv"], b["mask"], b["group_ids"], scope)
+    got = prepared.token_weights.numpy()
+    # exp underflows to 0 in float32 where the float64 reference is below ~1e-38
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-30)
+    assert (got <= 1.0 + 1e-6).all()
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(LOSS_AGG_MODES), st.sampled_from(["group", "batch"]))
+def test_kernel_frozen_at_one_is_grpo_bit_for_bit(b, agg, scope):
+    results = []
+    for name, kernel in (("grpo", "normalized"), ("cagrpo", "ones")):
+        new, old, adv, mask, gid = as_torch(b)
+        prepared = prepare_loss_inputs(
+            name, old, adv, mask, gid, cov_scope=scope, cagrpo_kernel=kernel
+        )
+        out = policy_loss(name, new, old, adv, mask, gid, loss_agg=agg, prepared=prepared)
+        out.loss.backward()
+        results.append((out.loss.detach(), new.grad))
+    (loss_grpo, grad_grpo), (loss_ones, grad_ones) = results
+    assert torch.equal(loss_grpo, loss_ones)
+    assert torch.equal(grad_grpo, grad_ones)
+
+
+def test_unknown_kernel_is_refused_with_the_choices():
+    _, old, adv, mask, gid = as_torch(
+        {
+            "new": np.zeros((2, 3), np.float32),
+            "old": np.zeros((2, 3), np.float32),
+            "adv": np.array([1.0, -1.0], np.float32),
+            "mask": np.ones((2, 3), bool),
+            "group_ids": np.zeros(2, np.int64),
+        }
+    )
+    with pytest.raises(ValueError, match="normalized, unnormalized, ones"):
+        prepare_loss_inputs("cagrpo", old, adv, mask, gid, cagrpo_kernel="flat")
+
+
+@pytest.mark.parametrize("kernel", ["normalized", "unnormalized"])
+def test_advantages_equal_up_to_float32_rounding_give_unit_weights(kernel):
+    """Batch scope over groups whose advantages differ only in their last float32 bits: c is
+    constant up to rounding, so every weight is 1 (this once gave NaN off the mask)."""
+    old = torch.tensor([[-1.0], [0.0], [-1.0], [-1.0]])
+    adv = torch.tensor([0.7070988, -0.7070988, 0.70710576, -0.70710576])
+    mask = torch.tensor([[False], [True], [False], [True]])
+    gid = torch.tensor([0, 0, 1, 1])
+    prepared = prepare_loss_inputs(
+        "cagrpo", old, adv, mask, gid, cov_scope="batch", cagrpo_kernel=kernel
+    )
+    want = reference_weights(old.numpy(), adv.numpy(), mask.numpy(), gid.numpy(), "batch")
+    np.testing.assert_allclose(prepared.token_weights.numpy(), want, rtol=1e-6, atol=0)

@@ -45,8 +45,11 @@ def scope_covariance(
     sums = scope.totals(torch.stack([tokens, centred.sum(1).double(), tokens * a], dim=1))
     size = sums[:, 0]  # |S|
     per_token = 1.0 / size.clamp(min=1)
-    first_mean, mean_a = scope.rows(sums[:, 1:] * per_token[:, None]).float().unbind(1)
-    a_centred = a.float() - mean_a  # A_i - mean_S A
+    first_mean, mean_a = scope.rows(sums[:, 1:] * per_token[:, None]).unbind(1)
+    first_mean = first_mean.float()
+    # A_i - mean_S A in float64: advantages of different groups can differ only in their last
+    # float32 bits (e.g. +-0.7070988 and +-0.7071058), and a float32 difference would be noise.
+    a_centred = (a - mean_a).float()
     # mean_S logp in two passes: the first is only as exact as float32 is at |log p|, coarse
     # when |log p| >> its spread (e.g. -80 +- 1e-3); averaging what it leaves recovers the rest.
     centred.addcmul_(mask, first_mean[:, None], value=-1.0)
@@ -65,8 +68,13 @@ class KernelWeights(NamedTuple):
     degenerate: Tensor  # [num_scopes] bool: sigma counts as 0, every weight is 1
 
 
-def kernel_weights(cov: ScopeCovariance, mask: Tensor, scope: Scope) -> KernelWeights:
-    """CA-GRPO's w~ from the token covariances of `scope_covariance` (see cagrpo_token_weights)."""
+def kernel_weights(
+    cov: ScopeCovariance, mask: Tensor, scope: Scope, normalize: bool = True
+) -> KernelWeights:
+    """CA-GRPO's w~ from the token covariances of `scope_covariance` (see cagrpo_token_weights).
+
+    normalize=False returns the raw kernel w = exp(-c^2 / (2 sigma^2)) (an ablation: the
+    loss then shrinks by mean_S w instead of keeping the scope's total weight)."""
     c, size, mean_c = cov
     deviation = torch.addcmul(c, mask, scope.rows(mean_c).float()[:, None], value=-1.0)
     var = scope.totals(deviation.square_().sum(1).double()[:, None])[:, 0] / size.clamp(min=1)
@@ -76,12 +84,17 @@ def kernel_weights(cov: ScopeCovariance, mask: Tensor, scope: Scope) -> KernelWe
     scale = torch.where(degenerate, 0.0, -1.0 / (2.0 * math.log(2.0) * var.clamp(min=1e-300)))
     scale = scope.rows(scale).float()[:, None]
     w = torch.mul(c, c, out=deviation).mul_(scale).exp2_().mul_(mask)
+    if not normalize:
+        return KernelWeights(w, sigma, degenerate)
     total = scope.totals(w.sum(1).double()[:, None])[:, 0]
     if bool(((total < 1e-30) & (size > 0)).any()):
         # Every |c| in some scope is far beyond sigma, so every w underflows. w~ does not change
         # if all w of a scope are multiplied by one constant: divide by the largest.
         floor = scope.minima(torch.where(mask > 0, c.square(), torch.inf).amin(1))
-        w = (c.square() - scope.rows(floor).float()[:, None]).mul_(scale).exp2_().mul_(mask)
+        # clamp: off the mask c = 0 lies below the floor, and exp2 of a large positive number
+        # would be inf, and inf * 0 NaN
+        w = (c.square() - scope.rows(floor).float()[:, None]).mul_(scale).clamp_(max=0.0)
+        w = w.exp2_().mul_(mask)
         total = scope.totals(w.sum(1).double()[:, None])[:, 0]
     norm = torch.where(size > 0, size / total.clamp(min=1e-300), 0.0)  # |S| / sum_S w
     return KernelWeights(w.mul_(scope.rows(norm).float()[:, None]), sigma, degenerate)

@@ -134,6 +134,9 @@ class PreparedLoss:
         )
 
 
+CAGRPO_KERNELS = ("normalized", "unnormalized", "ones")
+
+
 @dataclass(frozen=True)
 class BatchInputs:
     """What a loss's prepare function sees: this rank's whole batch, before micro-batching."""
@@ -143,6 +146,7 @@ class BatchInputs:
     mask: Tensor  # [B, T] float32 0/1
     group_ids: Tensor | None  # [B]
     cov_scope: str
+    cagrpo_kernel: str  # "normalized" (the paper's w~), "unnormalized" (w) or "ones"
     clip_cov_ratio: float
     clip_cov_lb: float
     clip_cov_ub: float
@@ -167,7 +171,11 @@ def _no_statistics(b: BatchInputs) -> TokenStats:
 def _cagrpo_prepare(b: BatchInputs) -> TokenStats:
     scope = Scope.of(b.cov_scope, b.group_ids, b.mask.shape[0], b.mask.device, b.process_group)
     cov = scope_covariance(b.old_logprobs, b.advantages, b.mask, scope)
-    weights, sigma, degenerate = kernel_weights(cov, b.mask, scope)
+    weights, sigma, degenerate = kernel_weights(
+        cov, b.mask, scope, normalize=b.cagrpo_kernel == "normalized"
+    )
+    if b.cagrpo_kernel == "ones":  # ablation: the kernel frozen at 1 is GRPO, bit for bit
+        weights = b.mask.clone()
     if not b.diagnostics:
         return TokenStats(token_weights=weights)
     valid = b.mask > 0
@@ -350,6 +358,7 @@ def prepare_loss_inputs(
     group_ids: Tensor | None = None,
     *,
     cov_scope: str = "group",
+    cagrpo_kernel: str = "normalized",
     clip_cov_ratio: float = 2e-4,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -367,6 +376,8 @@ def prepare_loss_inputs(
         group_ids: [B] prompt group of each response (needed for cov_scope="group").
         cov_scope: CA-GRPO's token set S, "group" or "batch". Clip-Cov and KL-Cov always
             select over the batch, as their reference implementation does.
+        cagrpo_kernel: CA-GRPO's weights: "normalized" (w~, the paper's), or the ablations
+            "unnormalized" (w) and "ones" (every weight 1: equal to grpo).
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and band.
         kl_cov_ratio: KL-Cov's fraction of tokens.
         seed: Clip-Cov's random draw; None draws it from torch's default generator (one
@@ -382,6 +393,10 @@ def prepare_loss_inputs(
         PreparedLoss; pass `prepared.rows(index)` to `policy_loss` with each micro-batch.
     """
     registered = _lookup(name)
+    if cagrpo_kernel not in CAGRPO_KERNELS:
+        raise ValueError(
+            f"cagrpo_kernel {cagrpo_kernel!r} is not one of {', '.join(CAGRPO_KERNELS)}"
+        )
     B, T = old_logprobs.shape
     if advantages.shape != (B,) or mask.shape != (B, T):
         raise ValueError(
@@ -396,7 +411,7 @@ def prepare_loss_inputs(
         num_seqs = global_count(float((tokens_per_row > 0).sum()), device, process_group)
         layout = RowLayout.of(B, T, device, process_group)
         batch = BatchInputs(
-            old_logprobs.detach(), advantages.detach(), m, group_ids, cov_scope,
+            old_logprobs.detach(), advantages.detach(), m, group_ids, cov_scope, cagrpo_kernel,
             clip_cov_ratio, clip_cov_lb, clip_cov_ub, kl_cov_ratio, seed, num_tokens, layout,
             process_group, diagnostics,
         )  # fmt: skip

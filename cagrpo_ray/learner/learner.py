@@ -114,6 +114,7 @@ class Learner:
         clip_eps_high: float = 0.2,
         loss_agg: str = "token-mean",
         cov_scope: str = "group",
+        cagrpo_kernel: str = "normalized",
         std_normalize: bool = True,
         temperature: float = 1.0,
         ref_model_path: str | None = None,
@@ -154,6 +155,7 @@ class Learner:
             clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg
         )
         self.cov_scope = cov_scope
+        self.cagrpo_kernel = cagrpo_kernel
         self.std_normalize = std_normalize
         self.max_response_length = max_response_length
         self.seed = seed
@@ -286,6 +288,7 @@ class Learner:
             mask,
             batch["group_ids"],
             cov_scope=self.cov_scope,
+            cagrpo_kernel=self.cagrpo_kernel,
             seed=self.seed * 1_000_003 + self.step,
             max_response_length=self._max_response_length(mask),
             process_group=process_group,
