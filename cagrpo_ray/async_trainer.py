@@ -129,7 +129,9 @@ class AsyncTrainer(Trainer):
             if len(self.buffer) >= P:
                 break
             self._pump()
-        table = self.buffer.take(P, min_version=min_version)
+        # Groups arrive in completion order; the learner sees them in the order they were
+        # started, so the batch does not depend on which replica finished first.
+        table = self.buffer.take(P, min_version=min_version).sort_by("group_id")
         t_batch = time.perf_counter()
 
         # (2) Train on it; the learner runs its pending weight send first (actor order).
@@ -221,8 +223,12 @@ class AsyncTrainer(Trainer):
                 format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
                 for i in indices
             ]
-            base = self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, cfg.run.seed)
-            sampling = _chunk_sampling(base, group_ids[0])
+            # The seeds of the synchronous trainer for the same groups: with max_staleness 0
+            # an async run samples, and so trains, exactly what a sync run does.
+            step, start = divmod(group_ids[0], cfg.rollout.prompts_per_step)
+            seed = cfg.run.seed * 1_000_003 + step
+            base = self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, seed)
+            sampling = _chunk_sampling(base, start)
             ref = self.generators[replica].generate.remote(prompts, sampling)
             self.gen_refs[ref] = _Chunk(
                 replica, indices, group_ids, self.replica_version[replica], time.monotonic()

@@ -103,12 +103,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "cagrpo_step_phase_seconds",
         "gauge",
-        "Wall time of each phase of the last learner step, in seconds.",
+        "Wall time of each phase of the last learner step, in seconds (async mode: generate "
+        "and reward overlap training and are not phases; wait_batch is the learner's wait).",
         {
             "time/generate": "generate",
             "time/reward": "reward",
             "time/train": "train",
             "time/sync": "sync",
+            "time/wait_batch": "wait_batch",
         },
         label="phase",
     ),
@@ -258,6 +260,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "gauge",
         "Fraction of the step's responses cut off at max_tokens.",
         _one("response/truncated_fraction"),
+    ),
+    MetricSpec(
+        "cagrpo_generator_idle_ratio",
+        "gauge",
+        "Share of the generator replicas' time in the last learner step with no request "
+        "running (waiting for the learner, or held back by the staleness bound).",
+        _one("generators/idle_fraction"),
     ),
     MetricSpec(
         "cagrpo_generator_restarts_total",
