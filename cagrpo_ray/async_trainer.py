@@ -54,7 +54,11 @@ log = logging.getLogger("cagrpo_ray")
 
 
 def admissible_groups(
-    gen_version: int, train_version: int, outstanding: int, prompts_per_step: int, max_staleness: int
+    gen_version: int,
+    train_version: int,
+    outstanding: int,
+    prompts_per_step: int,
+    max_staleness: int,
 ) -> int:
     """How many more prompt groups may be started now under bound (1) of the module docstring."""
     budget = (gen_version + max_staleness + 1 - train_version) * prompts_per_step
@@ -414,7 +418,9 @@ class AsyncTrainer(Trainer):
 
     def restore_extra_state(self, state: dict) -> None:
         self.requeue = deque(state.get("requeue", []))
-        self.next_group_id = state.get("next_group_id", self.step * self.config.rollout.prompts_per_step)
+        self.next_group_id = state.get(
+            "next_group_id", self.step * self.config.rollout.prompts_per_step
+        )
 
 
 def _pending(refs: list) -> list:

@@ -33,6 +33,7 @@ import jsonschema
 import pytest
 import yaml
 
+from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.prometheus import PrometheusExporter
 
 pytestmark = pytest.mark.unit
@@ -343,6 +344,14 @@ def test_rayjob_runs_the_async_config_and_resumes_on_the_shared_volume():
     assert argv[:5] == ["python", "-m", "cagrpo_ray.run", "--config", "configs/async.yaml"]
     assert "--resume" in argv
     overrides = dict(argv[i + 1].split("=", 1) for i, word in enumerate(argv) if word == "--set")
+    # The resolved config trains asynchronously on GPUs and fits the cluster's 16 GPUs.
+    configs = [ROOT / argv[i + 1] for i, word in enumerate(argv) if word == "--config"]
+    config = load_config(configs, [f"{k}={v}" for k, v in overrides.items()])
+    assert config.run.mode == "async" and config.algorithm.tis_cap is not None
+    r, lcfg = config.rollout, config.learner
+    gpus = r.num_generators * r.num_gpus_per_generator
+    gpus += lcfg.num_learners * lcfg.num_gpus_per_learner
+    assert 0 < gpus <= 16 and r.num_gpus_per_generator > 0
     output_dir = overrides["run.output_dir"]
     assert job["backoffLimit"] >= 1 and job["submitterConfig"]["backoffLimit"] >= 1
     assert job["shutdownAfterJobFinishes"] is True and job["ttlSecondsAfterFinished"] > 0

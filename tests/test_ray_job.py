@@ -153,7 +153,8 @@ def entrypoint(policy: Path, out: Path, steps: int, metrics_port: int, resume: b
         f"metrics.port={metrics_port}",
     ]
     # The interpreter running the tests, so that the job sees the same installed packages.
-    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]
+    # configs/async.yaml is what users submit (and the RayJob's entrypoint).
+    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", "configs/async.yaml"]
     command += [arg for s in sets for arg in ("--set", s)]
     return command + (["--resume"] if resume else [])
 
@@ -220,3 +221,5 @@ def test_stop_then_resume_as_jobs_with_prometheus_watching(ray_head, policy, pro
     assert entropy and 0 < float(entropy[0]["value"][1]) < 10  # nats, a 265-token vocabulary
     assert tokens and float(tokens[0]["value"][1]) > 0
     assert steps and float(steps[0]["value"][1]) == stopped_at + 3
+    trained = query(prometheus_url, "max_over_time(cagrpo_sample_staleness_versions_count[30m])")
+    assert trained and float(trained[0]["value"][1]) > 0  # the staleness histogram is filled
