@@ -369,8 +369,22 @@ class Learner:
     def _tis_weights(self, proximal, behavior, mask, reducer: RankReducer):
         """Truncated importance weights min(pi_prox / pi_behavior, cap) per token, or None.
 
-        They correct for data sampled by an older (or numerically different) policy, as in
-        decoupled PPO: each token's gradient is multiplied by its weight.
+        The off-policy estimator (decoupled PPO, Hilton et al. 2022; AReaL; verl's truncated
+        IS). Samples come from the behavior policy mu (the generator's weights, possibly some
+        versions old, and a different kernel even when not); the learner recomputes the
+        proximal policy pi_prox (its own weights before this step) and optimizes pi_theta:
+
+            L(theta) = - sum_t  w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
+            r_t = pi_theta(o_t) / pi_prox(o_t)                   (the PPO ratio: trust region)
+            w_t = min(pi_prox(o_t) / mu(o_t), cap)      (no gradient: corrects mu -> pi_prox)
+
+        with A_t the (CA-GRPO-reweighted) advantage. The trust region is taken around
+        pi_prox, not mu, so stale data does not widen it; truncating w_t at `tis_cap` bounds
+        the variance that a token much likelier under pi_prox than under mu would bring.
+        CA-GRPO's covariance and the Clip-Cov/KL-Cov selections use log pi_prox (the
+        learner's own log-probs), never mu's. In `train_step`, w_t multiplies each token's
+        gradient (`logprobs.detach() + w * (logprobs - logprobs.detach())`), which is the
+        gradient of w_t times the token's clipped objective.
         """
         if self.tis_cap is None:
             return None
