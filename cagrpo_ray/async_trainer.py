@@ -252,6 +252,8 @@ class AsyncTrainer(Trainer):
         self._dispatch()
         refs = list(self.gen_refs) + list(self.reward_refs)
         refs += _pending(wait_on or []) + _pending(self.sync_refs)
+        if not refs and wait_on:
+            return  # what the caller waits for finished since it last looked
         if not refs:
             raise RuntimeError(
                 "nothing in flight and no batch buffered: the staleness bound admits no "
