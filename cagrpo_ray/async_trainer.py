@@ -164,7 +164,7 @@ class AsyncTrainer(Trainer):
         metrics.update(
             {f"learner/{k}" if "/" not in k else k: v for k, v in learner_metrics.items()}
         )
-        trained_tokens = float(batch["attention_mask"].sum())
+        trained_tokens = float(batch["response_mask"].sum())
         generated = self.tokens_generated - tokens_before
         metrics.update(
             {

@@ -434,7 +434,7 @@ class Trainer:
             "response/truncated_fraction": float(truncated),
             "time/generate": t1 - t0,
             "time/reward": t2 - t1,
-            "throughput/generated_tokens_per_s": generated / max(t1 - t0, 1e-9),
+            "throughput/generate_phase_tokens_per_s": generated / max(t1 - t0, 1e-9),
         }, generated
 
     def train_step(self) -> dict:
@@ -452,7 +452,7 @@ class Trainer:
         self.step += 1
         self.policy_version = self.step
         metrics.update(self.sync_weights())
-        trained_tokens = float(batch["attention_mask"].sum())
+        trained_tokens = float(batch["response_mask"].sum())
         step_time = time.perf_counter() - t_start
         metrics.update(
             {f"learner/{k}" if "/" not in k else k: v for k, v in learner_metrics.items()}
@@ -462,6 +462,8 @@ class Trainer:
                 "time/train": t1 - t0,
                 "time/sync": metrics["sync/seconds"],
                 "time/step": step_time,
+                # per second of the whole step, as in async mode, so the two compare
+                "throughput/generated_tokens_per_s": generated / step_time,
                 "throughput/trained_tokens_per_s": trained_tokens / max(t1 - t0, 1e-9),
                 "throughput/samples_per_s": len(batch["rewards"]) / step_time,
                 "buffer/depth_groups": len(self.buffer),

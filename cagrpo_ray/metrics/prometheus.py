@@ -72,7 +72,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "cagrpo_generated_tokens_per_second",
         "gauge",
-        "Completion tokens generated per second of the step's generate phase.",
+        "Completion tokens generated during the last learner step per second of its wall time.",
         _one("throughput/generated_tokens_per_s"),
     ),
     MetricSpec(
