@@ -54,9 +54,10 @@ def reference_covariance(logp, adv, mask, group_ids, scope):
     return c
 
 
-def reference_weights(logp, adv, mask, group_ids, scope):
+def reference_weights(logp, adv, mask, group_ids, scope, normalize=True):
     """The contract: sigma = population std of c over S; sigma < 1e-8 -> 1; else
-    w = exp(-c^2 / 2 sigma^2), w~ = w |S| / sum_S w (0 outside the mask)."""
+    w = exp(-c^2 / 2 sigma^2), w~ = w |S| / sum_S w (0 outside the mask). normalize=False
+    returns w itself (the "unnormalized" ablation)."""
     B, T = logp.shape
     c = reference_covariance(logp, adv, mask, group_ids, scope)
     weights = np.zeros((B, T))
@@ -68,10 +69,12 @@ def reference_weights(logp, adv, mask, group_ids, scope):
         sigma = cs.std()
         if sigma < 1e-8:
             w = np.ones(len(tokens))
+        elif not normalize:
+            w = np.exp(-(cs**2) / (2 * sigma**2))
         else:
             exponent = -(cs**2) / (2 * sigma**2)
             w = np.exp(exponent - exponent.max())  # a common factor: cancels in w~
-        w = w * len(tokens) / w.sum()
+            w = w * len(tokens) / w.sum()
         for (i, t), v in zip(tokens, w, strict=True):
             weights[i, t] = v
     return weights
@@ -553,23 +556,6 @@ def test_registry_errors_and_extension():
 # ------------------------------------------------------------------------------------------------
 
 
-def reference_raw_weights(logp, adv, mask, group_ids, scope):
-    """w = exp(-c^2 / 2 sigma^2) without the |S| / sum_S w normalization (sigma < 1e-8: 1)."""
-    B, T = logp.shape
-    c = reference_covariance(logp, adv, mask, group_ids, scope)
-    weights = np.zeros((B, T))
-    for rows in reference_scopes(B, group_ids, scope):
-        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
-        if not tokens:
-            continue
-        cs = np.array([c[i, t] for i, t in tokens])
-        sigma = cs.std()
-        w = np.ones(len(tokens)) if sigma < 1e-8 else np.exp(-(cs**2) / (2 * sigma**2))
-        for (i, t), v in zip(tokens, w, strict=True):
-            weights[i, t] = v
-    return weights
-
-
 @HYPOTHESIS
 @given(batches(), st.sampled_from(["group", "batch"]))
 def test_unnormalized_kernel_matches_reference(b, scope):
@@ -577,7 +563,7 @@ def test_unnormalized_kernel_matches_reference(b, scope):
     prepared = prepare_loss_inputs(
         "cagrpo", old, adv, mask, gid, cov_scope=scope, cagrpo_kernel="unnormalized"
     )
-    want = reference_raw_weights(b["old"], b["adv"], b["mask"], b["group_ids"], scope)
+    want = reference_weights(b["old"], b["adv"], b["mask"], b["group_ids"], scope, normalize=False)
     got = prepared.token_weights.numpy()
     # exp underflows to 0 in float32 where the float64 reference is below ~1e-38
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-30)
