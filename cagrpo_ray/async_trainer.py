@@ -107,14 +107,12 @@ class AsyncTrainer(Trainer):
         self.sync_started = 0.0
         self.last_sync: dict = {}
         self.replica_version: list[int] = []  # what each replica samples with next
-        self.busy = []  # generator busy seconds per replica (chunk submitted -> returned)
         self.tokens_generated = 0.0
         self.verifier_errors = 0
 
     def setup(self) -> None:
         super().setup()
         self.replica_version = [self.policy_version] * len(self.generators)
-        self.busy = [0.0] * len(self.generators)
         self.instruction = instruction_text(self.config)
 
     # ------------------------------------------------------------------- the loop
@@ -123,7 +121,7 @@ class AsyncTrainer(Trainer):
         cfg = self.config
         P = cfg.rollout.prompts_per_step
         t_start = time.perf_counter()
-        busy_before, tokens_before = sum(self.busy), self.tokens_generated
+        busy_before, tokens_before = sum(self.pool.busy_seconds), self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
@@ -185,7 +183,7 @@ class AsyncTrainer(Trainer):
                 "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
                 "generators/idle_fraction": idle_fraction(
-                    sum(self.busy) - busy_before, len(self.generators), step_time
+                    sum(self.pool.busy_seconds) - busy_before, len(self.generators), step_time
                 ),
                 "policy_version": self.policy_version,
                 "data/cursor": self.cursor,
@@ -285,7 +283,8 @@ class AsyncTrainer(Trainer):
             log.warning("generator replica %d died (%s); its chunk is requeued", chunk.replica, exc)
             self._lost(chunk)
             return
-        self.busy[chunk.replica] += time.monotonic() - chunk.submitted
+        # chunk submitted -> returned, as the synchronous pool counts it
+        self.pool.busy_seconds[chunk.replica] += time.monotonic() - chunk.submitted
         versions = {c.policy_version for group in groups for c in group}
         if versions and min(versions) < chunk.version:
             # Restarted since we last called it (Ray queues calls during a restart): it

@@ -8,7 +8,6 @@ syncs it before it serves again).
 from __future__ import annotations
 
 import os
-import time
 
 import ray
 
@@ -22,8 +21,6 @@ class Generator:
     def __init__(self, replica: int, engine: str, model_path: str, engine_options: dict):
         self.replica = replica
         self.engine = make_engine(engine, model_path, **engine_options)
-        self.busy_seconds = 0.0
-        self.generated_tokens = 0
 
     def ready(self) -> dict:
         return {"replica": self.replica, "pid": os.getpid(), "version": self.policy_version()}
@@ -34,11 +31,7 @@ class Generator:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        start = time.perf_counter()
-        outputs = self.engine.generate(prompts, sampling)
-        self.busy_seconds += time.perf_counter() - start
-        self.generated_tokens += sum(len(c.token_ids) for group in outputs for c in group)
-        return outputs
+        return self.engine.generate(prompts, sampling)
 
     def init_weight_sync(self, address: dict, rank_offset: int) -> list[int]:
         """Join the learner's weight-sync group; returns the sync ranks of its workers."""
@@ -46,9 +39,6 @@ class Generator:
 
     def receive_weights(self, version: int) -> dict:
         return self.engine.receive_weights(version)
-
-    def stats(self) -> dict:
-        return {"busy_seconds": self.busy_seconds, "generated_tokens": self.generated_tokens}
 
 
 GeneratorActor = ray.remote(max_restarts=-1, max_task_retries=0)(Generator)
