@@ -1,0 +1,14 @@
+"""How the golden recorder and its test run one config (kept apart so the API can change)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.trainer import Trainer
+
+
+def run_one(config, name):
+    summary = Trainer(config).run()
+    records = read_metrics(Path(config.run.output_dir) / name / "metrics.jsonl")
+    return summary, records
