@@ -1,7 +1,8 @@
-"""Policy losses and CA-GRPO weights against plain float64 references written here.
+"""Policy losses and CA-GRPO weights against the paper's equations in float64.
 
-The references are loops over tokens in float64 (numpy, or torch scalars where a gradient is
-needed); they implement the formulas of the issue's contract, not the library's code paths.
+The references (`cagrpo_ray/algo/reference.py`) are loops over tokens in float64 (numpy, or
+torch scalars where a gradient is needed); they implement the paper's formulas, not the
+library's code paths, and run here on fresh random batches (hypothesis) and edge cases.
 """
 
 import math
@@ -13,15 +14,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
+from cagrpo_ray.algo import reference
 from cagrpo_ray.algo.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    LossSpec,
     cagrpo_token_weights,
     policy_loss,
     prepare_loss_inputs,
     register_policy_loss,
     token_covariance,
 )
+from cagrpo_ray.algo.off_policy import truncated_is_weights
 
 pytestmark = pytest.mark.unit
 
@@ -29,116 +33,24 @@ LOSSES = ("grpo", "cagrpo", "clip_cov", "kl_cov")
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True)
 
 # ------------------------------------------------------------------------------------------------
-# References
+# References: the paper's equations as float64 loops (cagrpo_ray/algo/reference.py)
 # ------------------------------------------------------------------------------------------------
 
-
-def reference_scopes(B, group_ids, scope):
-    if scope == "batch":
-        return [list(range(B))]
-    return [[i for i in range(B) if group_ids[i] == g] for g in sorted(set(group_ids.tolist()))]
-
-
-def reference_covariance(logp, adv, mask, group_ids, scope):
-    """c[i, t] = (logp - mean_S logp)(A_i - mean_S A) over each scope's valid tokens, float64."""
-    B, T = logp.shape
-    c = np.zeros((B, T))
-    for rows in reference_scopes(B, group_ids, scope):
-        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
-        if not tokens:
-            continue
-        lp = np.array([float(logp[i, t]) for i, t in tokens])
-        a = np.array([float(adv[i]) for i, t in tokens])
-        for (i, t), v in zip(tokens, (lp - lp.mean()) * (a - a.mean()), strict=True):
-            c[i, t] = v
-    return c
-
-
-def reference_weights(logp, adv, mask, group_ids, scope, normalize=True):
-    """The contract: sigma = population std of c over S; sigma < 1e-8 -> 1; else
-    w = exp(-c^2 / 2 sigma^2), w~ = w |S| / sum_S w (0 outside the mask). normalize=False
-    returns w itself (the "unnormalized" ablation)."""
-    B, T = logp.shape
-    c = reference_covariance(logp, adv, mask, group_ids, scope)
-    weights = np.zeros((B, T))
-    for rows in reference_scopes(B, group_ids, scope):
-        tokens = [(i, t) for i in rows for t in range(T) if mask[i, t]]
-        if not tokens:
-            continue
-        cs = np.array([c[i, t] for i, t in tokens])
-        sigma = cs.std()
-        if sigma < 1e-8:
-            w = np.ones(len(tokens))
-        elif not normalize:
-            w = np.exp(-(cs**2) / (2 * sigma**2))
-        else:
-            exponent = -(cs**2) / (2 * sigma**2)
-            w = np.exp(exponent - exponent.max())  # a common factor: cancels in w~
-            w = w * len(tokens) / w.sum()
-        for (i, t), v in zip(tokens, w, strict=True):
-            weights[i, t] = v
-    return weights
-
-
-def reference_loss(
-    name,
-    logp,
-    old,
-    adv,
-    mask,
-    token_weight,
-    penalty,
-    agg,
-    eps_low,
-    eps_high,
-    kl_cov_coef=1.0,
-    horizon=None,
-    ref_logp=None,
-    kl_coef=0.0,
-):
-    """Per-token loss written case by case, in float64 torch scalars so autograd gives the
-    reference gradient w.r.t. `logp` (a float64 leaf tensor)."""
-    B, T = mask.shape
-    per_row = []
-    for i in range(B):
-        row = []
-        for t in range(T):
-            if not mask[i, t]:
-                continue
-            log_r = (logp[i, t] - float(old[i, t])).clamp(-20, 20)
-            r = torch.exp(log_r)
-            if name == "kl_cov":
-                term = -float(adv[i]) * r + kl_cov_coef * float(penalty[i, t]) * log_r.abs()
-            else:
-                a = float(adv[i]) * float(token_weight[i, t])
-                # max(-a r, -a clip(r)): r capped at 1 + eps_high (a > 0), floored at 1 - eps_low
-                if a >= 0:
-                    term = -a * torch.clamp(r, max=1 + eps_high)
-                else:
-                    term = -a * torch.clamp(r, min=1 - eps_low)
-            if ref_logp is not None and kl_coef:
-                d = (float(ref_logp[i, t]) - logp[i, t]).clamp(-20, 20)
-                term = term + kl_coef * (torch.exp(d) - d - 1)
-            row.append(term)
-        per_row.append(row)
-    tokens = sum(len(r) for r in per_row)
-    seqs = sum(1 for r in per_row if r)
-    total = sum((sum(r) for r in per_row if r), torch.zeros((), dtype=torch.float64))
-    if agg == "token-mean":
-        return total / max(tokens, 1)
-    if agg == "seq-mean-token-mean":
-        means = [sum(r) / len(r) for r in per_row if r]
-        return sum(means, torch.zeros((), dtype=torch.float64)) / max(seqs, 1)
-    return total / max(seqs * (horizon or T), 1)
+reference_covariance = reference.token_covariance
+reference_weights = reference.kernel_weights
 
 
 def reference_advantages(rewards, group_size):
-    out = np.zeros(len(rewards))
-    for s in range(0, len(rewards), group_size):
-        g = rewards[s : s + group_size].astype(np.float64)
-        std = g.std(ddof=1) if len(g) > 1 else 0.0
-        out[s : s + group_size] = (g - g.mean()) / (std + 1e-6)
-    return out.astype(np.float32)
+    return reference.group_advantages(rewards, group_size).astype(np.float32)
+
+
+def reference_loss(
+    name, logp, old, adv, mask, token_weight, penalty, agg, eps_low, eps_high, **options
+):
+    return reference.policy_loss(
+        name, logp, old, adv, mask, token_weight, penalty, loss_agg=agg,
+        clip_eps_low=eps_low, clip_eps_high=eps_high, **options,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -614,3 +526,73 @@ def test_advantages_equal_up_to_float32_rounding_give_unit_weights(kernel):
     )
     want = reference_weights(old.numpy(), adv.numpy(), mask.numpy(), gid.numpy(), "batch")
     np.testing.assert_allclose(prepared.token_weights.numpy(), want, rtol=1e-6, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The off-policy correction and the loss specification
+# ------------------------------------------------------------------------------------------------
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(LOSSES), st.floats(0.5, 3.0))
+def test_truncated_is_weights_scale_each_tokens_gradient(b, name, cap):
+    new, old, adv, mask, gid = as_torch(b)
+    behavior = torch.from_numpy(b["old"] - np.float32(0.3) * np.sign(b["new"] - b["old"]))
+    weights, metrics = truncated_is_weights(old, behavior, mask, cap)
+    want = reference.truncated_is_weights(b["old"], behavior.numpy(), b["mask"], cap)
+    np.testing.assert_allclose(weights.numpy(), want, rtol=1e-6, atol=1e-7)
+    if b["mask"].any():
+        assert metrics["tis/weight_mean"] == pytest.approx(want[b["mask"]].mean(), rel=1e-5)
+    prepared = prepare_loss_inputs(name, old, adv, mask, gid, seed=3)
+    plain = policy_loss(name, new, old, adv, mask, prepared=prepared)
+    new_w = new.detach().clone().requires_grad_()
+    out = policy_loss(name, new_w, old, adv, mask, is_weights=weights, prepared=prepared)
+    out.loss.backward()
+    assert out.metrics["policy/loss"] == plain.metrics["policy/loss"]  # the value is kept
+    token_weight = None if prepared.token_weights is None else prepared.token_weights.numpy()
+    penalty = None if prepared.kl_penalty is None else prepared.kl_penalty.numpy()
+    ref_new = torch.from_numpy(b["new"]).double().requires_grad_()
+    ref = reference.policy_loss(
+        name, ref_new, b["old"], b["adv"], b["mask"], token_weight, penalty, is_weights=want
+    )
+    if ref.requires_grad:
+        ref.backward()
+        np.testing.assert_allclose(new_w.grad.numpy(), ref_new.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_loss_spec_checks_its_options_and_names_the_choices():
+    assert LossSpec().name == "cagrpo"
+    with pytest.raises(ValueError, match="grpo, cagrpo, clip_cov, kl_cov"):
+        LossSpec("cagrpo2")
+    with pytest.raises(ValueError, match="token-mean"):
+        LossSpec("grpo", loss_agg="sum")
+    with pytest.raises(ValueError, match="group, batch"):
+        LossSpec("cagrpo", cov_scope="prompt")
+    with pytest.raises(ValueError, match="tis_cap"):
+        LossSpec("grpo", tis_cap=0.0)
+    with pytest.raises(TypeError, match="clip_eps_high"):
+        policy_loss("grpo", torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1),
+                    torch.ones(1, 2), clip_eps_hi=0.3)  # fmt: skip
+
+
+def test_options_reach_the_loss_through_the_spec():
+    """Clip-Cov's band and ratio, KL-Cov's ratio and coefficient are the spec's, not fixed."""
+    g = torch.Generator().manual_seed(0)
+    old = -torch.rand(8, 50, generator=g) * 4
+    adv = torch.tensor([2.0, -2.0] * 4)
+    mask = torch.ones(8, 50, dtype=torch.bool)
+    few = prepare_loss_inputs("kl_cov", old, adv, mask, kl_cov_ratio=2e-4)
+    many = prepare_loss_inputs("kl_cov", old, adv, mask, kl_cov_ratio=0.05)
+    assert few.kl_penalty.sum() == 1 and many.kl_penalty.sum() == 20
+    band = prepare_loss_inputs("clip_cov", old, adv, mask, clip_cov_ratio=0.05, clip_cov_lb=-1e9,
+                               clip_cov_ub=1e9, seed=1)  # fmt: skip
+    assert (band.token_weights == 0).sum() == 20
+    new = (old + 0.1).requires_grad_()
+    small = policy_loss(LossSpec("kl_cov", kl_cov_coef=0.1), new, old, adv, mask,
+                        prepared=many)  # fmt: skip
+    large = policy_loss(LossSpec("kl_cov", kl_cov_coef=1.0), new, old, adv, mask,
+                        prepared=many)  # fmt: skip
+    extra = 0.9 * float((many.kl_penalty * 0.1).sum()) / 400
+    assert large.metrics["policy/loss"] - small.metrics["policy/loss"] == pytest.approx(
+        extra, rel=1e-4
+    )

@@ -14,12 +14,14 @@ from cagrpo_ray.algo.entropy import entropy_from_logits, logprobs_from_logits
 from cagrpo_ray.algo.losses import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    LossSpec,
     PolicyLossOutput,
     PreparedLoss,
     policy_loss,
     prepare_loss_inputs,
     register_policy_loss,
 )
+from cagrpo_ray.algo.off_policy import truncated_is_weights
 from cagrpo_ray.algo.stats import (
     COVARIANCE_TABLE_FRACTIONS,
     covariance_quantiles,
@@ -30,6 +32,7 @@ __all__ = [
     "COVARIANCE_TABLE_FRACTIONS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "LossSpec",
     "PolicyLossOutput",
     "PreparedLoss",
     "cagrpo_token_weights",
@@ -44,4 +47,5 @@ __all__ = [
     "prepare_loss_inputs",
     "register_policy_loss",
     "token_covariance",
+    "truncated_is_weights",
 ]
