@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cagrpo_ray.algo import group_advantages, policy_loss
-from cagrpo_ray.learner.learner import Learner, check_batch, group_sizes, position_ids
+from cagrpo_ray.algo import LossSpec, group_advantages, policy_loss
+from cagrpo_ray.learner.batch import check_batch, group_sizes, position_ids
+from cagrpo_ray.learner.learner import Learner, LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128)
@@ -31,7 +32,7 @@ def random_batch(
     columns = torch.arange(width)
     attention = (columns < (prompt + response)[:, None]).long()
     response_mask = (columns >= prompt[:, None]) & attention.bool()
-    return {
+    batch = {
         "input_ids": torch.randint(3, vocab, (rows, width), generator=g) * attention,
         "attention_mask": attention,
         "response_mask": response_mask,
@@ -40,6 +41,9 @@ def random_batch(
         "group_ids": torch.arange(num_groups).repeat_interleave(group_size),
         "policy_version": torch.zeros(rows, dtype=torch.long),
     }
+    # scored groups carry their advantages (computed once, when the rewards come in)
+    batch["advantages"] = group_advantages(batch["rewards"], group_size)
+    return batch
 
 
 def hf_logprobs(model, batch, temperature: float = 1.0) -> torch.Tensor:
@@ -131,13 +135,11 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
     # ZeRO-3 must agree with them.
     batch["behavior_logprobs"] = hf_logprobs(before, batch, temperature) * batch["response_mask"]
     learner = Learner(
-        str(policy_path),
+        LearnerSettings(
+            str(policy_path), zero_stage=3, lr=1e-3, micro_batch_size=8, temperature=temperature
+        ),
+        LossSpec("cagrpo"),
         **one_rank,
-        zero_stage=3,
-        lr=1e-3,
-        micro_batch_size=8,
-        policy_loss="cagrpo",
-        temperature=temperature,
     )
     initial = snapshot(learner)
     metrics = learner.train_step(batch)
@@ -171,7 +173,7 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
     mask = batch["response_mask"]
     old = hf_logprobs(before, batch, temperature)
     new = hf_logprobs(hf_model(policy_path, after), batch, temperature)
-    advantages = group_advantages(batch["rewards"], 4)
+    advantages = batch["advantages"]
 
     def surrogate(logprobs):
         return policy_loss("cagrpo", logprobs, old, advantages, mask, batch["group_ids"]).loss
@@ -187,15 +189,15 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
 @pytest.mark.integration
 def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
     learner = Learner(
-        str(policy_path),
+        LearnerSettings(
+            str(policy_path),
+            zero_stage=3,
+            lr=1e-2,
+            micro_batch_size=16,
+            ref_model_path=str(policy_path),
+        ),
+        LossSpec("grpo", kl_coef=0.1, entropy_coef=0.01),
         **one_rank,
-        zero_stage=3,
-        lr=1e-2,
-        micro_batch_size=16,
-        policy_loss="grpo",
-        ref_model_path=str(policy_path),
-        kl_coef=0.1,
-        entropy_coef=0.01,
     )
     first = learner.train_step(random_batch(seed=4))
     assert first["kl/ref_k3"] == pytest.approx(0.0, abs=1e-7)  # policy == reference
@@ -212,13 +214,11 @@ def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
     results = []
     for micro_batch_size in (32, 8, 7):  # one pass; four; five with an uneven last one
         learner = Learner(
-            str(policy_path),
+            LearnerSettings(
+                str(policy_path), zero_stage=2, lr=lr, micro_batch_size=micro_batch_size
+            ),
+            LossSpec("cagrpo", loss_agg="token-mean"),
             **one_rank,
-            zero_stage=2,
-            lr=lr,
-            micro_batch_size=micro_batch_size,
-            policy_loss="cagrpo",
-            loss_agg="token-mean",
         )
         metrics = learner.train_step(batch)
         results.append((metrics, snapshot(learner)))
@@ -235,14 +235,11 @@ def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
 @pytest.mark.integration
 def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path):
     learner = Learner(
-        str(policy_path),
+        LearnerSettings(
+            str(policy_path), zero_stage=2, lr=1e-3, warmup_steps=3, micro_batch_size=16
+        ),
+        LossSpec("grpo", tis_cap=2.0),
         **one_rank,
-        zero_stage=2,
-        lr=1e-3,
-        warmup_steps=3,
-        micro_batch_size=16,
-        policy_loss="grpo",
-        tis_cap=2.0,
     )
     learner.train_step(random_batch(seed=1))  # optimizer moments and lr schedule under way
     learner.save_checkpoint(tmp_path / "ckpt", {"data_cursor": 7})

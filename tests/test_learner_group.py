@@ -12,11 +12,13 @@ import ray
 import torch
 from test_learner import TINY, free_port, random_batch
 
+from cagrpo_ray.algo import LossSpec
 from cagrpo_ray.learner.group import LearnerGroup, LearnerGroupError, split_by_groups
-from cagrpo_ray.learner.learner import Learner
+from cagrpo_ray.learner.learner import Learner, LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
-LEARNER = dict(lr=1e-3, micro_batch_size=5, policy_loss="cagrpo", cov_scope="batch")
+LEARNER = dict(lr=1e-3, micro_batch_size=5)
+LOSS = LossSpec("cagrpo", cov_scope="batch")
 
 
 @pytest.mark.unit
@@ -47,7 +49,11 @@ def batch():
 def one_rank_result(policy_path, batch):
     # Rank 0 of 1 in the test process (reusing the group of test_learner.py if it ran first).
     learner = Learner(
-        str(policy_path), rank=0, world_size=1, master_port=free_port(), zero_stage=0, **LEARNER
+        LearnerSettings(str(policy_path), zero_stage=0, **LEARNER),
+        LOSS,
+        rank=0,
+        world_size=1,
+        master_port=free_port(),
     )
     return learner.train_step(batch), learner.state_dict_for_sync()
 
@@ -67,7 +73,7 @@ def local_ray():
 def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_result, local_ray):
     metrics_one, params_one = one_rank_result
     group = LearnerGroup(
-        2, dict(model_path=str(policy_path), zero_stage=zero_stage, **LEARNER), 0.5
+        2, LearnerSettings(str(policy_path), zero_stage=zero_stage, **LEARNER), LOSS, 0.5
     )
     try:
         metrics = group.train_step(batch)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -148,3 +150,31 @@ class RankReducer:
             weight = out.pop(f"{name}\0weight")
             out[name] = out[name] / weight if weight > 0 else 0.0
         return out
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators of this process."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every random generator's state in this process (for a rank's checkpoint)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

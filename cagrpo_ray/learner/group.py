@@ -10,6 +10,7 @@ stops with its last checkpoint intact and resumes from it.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +20,9 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from cagrpo_ray.learner.learner import Learner, check_batch, group_sizes
+from cagrpo_ray.algo import LossSpec
+from cagrpo_ray.learner.batch import check_batch, group_sizes
+from cagrpo_ray.learner.learner import Learner, LearnerSettings
 
 
 class LearnerGroupError(RuntimeError):
@@ -43,10 +46,10 @@ class LearnerActor:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def setup(self, **learner_kwargs: Any) -> None:
+    def setup(self, settings: LearnerSettings, loss: LossSpec, **rank: Any) -> None:
         """Build this rank's Learner; it joins the process group from rank, world_size,
         master_addr and master_port (exported as RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
-        self.learner = Learner(**learner_kwargs)
+        self.learner = Learner(settings, loss, **rank)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         return self.learner.train_step(batch)
@@ -62,6 +65,15 @@ class LearnerActor:
 
     def save_hf(self, out_dir: str) -> str:
         return str(self.learner.save_hf(out_dir))
+
+    def open_weight_sender(
+        self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
+    ) -> dict | None:
+        host = ray.util.get_node_ip_address()
+        return self.learner.open_weight_sender(host, world_size, backend, timeout_s, bucket_mb)
+
+    def send_weights(self, version: int) -> dict:
+        return self.learner.send_weights(version)
 
     def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(learner, *args)` in this actor (e.g. the weight-sync sender on rank 0)."""
@@ -93,22 +105,20 @@ def split_by_groups(
 class LearnerGroup:
     """`num_learners` data-parallel `Learner` ranks on Ray, used like one learner.
 
-    learner_kwargs: keyword arguments of `Learner` other than rank, world_size, master_addr
-    and master_port, which the group sets.
+    Every rank gets the same `settings` (its torch thread count set from the Ray CPUs it asks
+    for) and loss `spec`; the group sets each rank's place in the process group.
     """
 
     def __init__(
         self,
         num_learners: int,
-        learner_kwargs: dict[str, Any],
+        settings: LearnerSettings,
+        loss: LossSpec,
         num_cpus_per_learner: float = 0.5,
         num_gpus_per_learner: float = 0.0,
     ) -> None:
         if num_learners < 1:
             raise ValueError(f"num_learners must be >= 1, got {num_learners}")
-        reserved = {"rank", "world_size", "master_addr", "master_port"} & set(learner_kwargs)
-        if reserved:
-            raise ValueError(f"learner_kwargs must not set {sorted(reserved)}; the group sets them")
         threads = max(1, int(num_cpus_per_learner))
         remote_cls = ray.remote(
             num_cpus=num_cpus_per_learner,
@@ -118,12 +128,12 @@ class LearnerGroup:
         )(LearnerActor)
         self.actors = [remote_cls.remote() for _ in range(num_learners)]
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
-        kwargs = {"num_threads": threads, **learner_kwargs}
+        settings = dataclasses.replace(settings, num_threads=threads)
         self._call_all(
             "setup",
+            args_per_rank=[(settings, loss)] * num_learners,
             per_rank=[
                 dict(
-                    kwargs,
                     rank=rank,
                     world_size=num_learners,
                     master_addr=master_addr,
@@ -176,9 +186,17 @@ class LearnerGroup:
         shards = split_by_groups(check_batch(batch), self.num_learners)
         return self._submit("train_step", args_per_rank=[(ray.put(s),) for s in shards])
 
-    def submit_foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list:
-        """`foreach_learner` without waiting: the ranks' object refs, for `collect(refs)`."""
-        return self._submit("apply", args_per_rank=[(fn, *args)] * self.num_learners)
+    def open_weight_sender(
+        self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
+    ) -> dict:
+        """Rank 0 (re)opens its end of the weight-sync group; returns the group's address."""
+        args = (world_size, backend, timeout_s, bucket_mb)
+        return self._call_all("open_weight_sender", args_per_rank=[args] * self.num_learners)[0]
+
+    def submit_send_weights(self, version: int) -> list:
+        """Every rank's `send_weights(version)` without waiting (ZeRO-3 gathers need all of
+        them): the refs, for `collect(refs)`; rank 0's result is the sync's."""
+        return self._submit("send_weights", args_per_rank=[(version,)] * self.num_learners)
 
     def _call_all(
         self,

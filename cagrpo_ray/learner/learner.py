@@ -8,83 +8,80 @@ takes part in every collective, so all ranks call the same methods in the same o
 from __future__ import annotations
 
 import math
-import random
 import time
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import deepspeed
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.algo import (
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
+    LossSpec,
     entropy_from_logits,
-    group_advantages,
     logprobs_from_logits,
     policy_loss,
     prepare_loss_inputs,
+    truncated_is_weights,
 )
+from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch, position_ids
 from cagrpo_ray.learner.distributed import (
     RankReducer,
     all_reduce_,
     data_parallel_group,
     deepspeed_config,
     init_data_parallel,
-)
-
-BATCH_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "response_mask",
-    "behavior_logprobs",
-    "rewards",
-    "group_ids",
+    rng_state,
+    seed_everything,
+    set_rng_state,
 )
 
 _CHECKPOINT_TAG = "learner"
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only, so left or right padding gives the same ids."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+@dataclass(frozen=True)
+class LearnerSettings:
+    """How one learner rank trains, apart from the loss (which is a `LossSpec`).
 
+    model_path: the policy to start from (a Hugging Face model directory).
+    zero_stage: DeepSpeed ZeRO stage 0 to 3.
+    micro_batch_size: responses per forward/backward pass.
+    lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warm-up to lr.
+    temperature: the sampling temperature; log-probs are of log_softmax(logits / temperature).
+    ref_model_path: the frozen reference policy for the KL penalty (None: the starting policy,
+        loaded only when the loss's kl_coef > 0).
+    max_response_length: Dr.GRPO's constant L (None: the longest response of each batch).
+    seed: learner RNG and Clip-Cov's draws.
+    bf16: train in bfloat16 (None: where CUDA is available).
+    num_threads: torch CPU threads of this rank.
+    dist_timeout_s: timeout of the data-parallel collectives.
+    """
 
-def group_sizes(group_ids: torch.Tensor) -> torch.Tensor:
-    """Sizes of the contiguous runs of equal ids; raises if a group id reappears later."""
-    ids, counts = torch.unique_consecutive(group_ids, return_counts=True)
-    if ids.unique().numel() != ids.numel():
-        raise ValueError("group_ids must be contiguous: each prompt group's rows in one run")
-    return counts
+    model_path: str
+    zero_stage: int = 2
+    micro_batch_size: int = 32
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    ref_model_path: str | None = None
+    max_response_length: int | None = None
+    seed: int = 0
+    bf16: bool | None = None
+    num_threads: int = 1
+    dist_timeout_s: float = 600.0
 
-
-def check_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Raise a ValueError naming the first key that breaks the learner batch contract."""
-    missing = [k for k in BATCH_KEYS if k not in batch]
-    if missing:
-        raise ValueError(f"learner batch is missing {missing}; it needs {list(BATCH_KEYS)}")
-    rows, width = batch["input_ids"].shape
-    for key in ("attention_mask", "response_mask", "behavior_logprobs"):
-        if tuple(batch[key].shape) != (rows, width):
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.temperature <= 0:
             raise ValueError(
-                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(rows, width)} "
-                "like input_ids"
+                f"temperature must be positive (the sampling one), got {self.temperature}"
             )
-    for key in ("rewards", "group_ids"):
-        if tuple(batch[key].shape) != (rows,):
-            raise ValueError(
-                f"batch[{key!r}] has shape {tuple(batch[key].shape)}, expected {(rows,)}"
-            )
-    if rows == 0:
-        raise ValueError("learner batch has no rows")
-    sizes = group_sizes(batch["group_ids"]).unique()
-    if sizes.numel() != 1:
-        raise ValueError(f"prompt groups must all have one size, got sizes {sizes.tolist()}")
-    return batch
 
 
 class Learner:
@@ -97,76 +94,31 @@ class Learner:
 
     def __init__(
         self,
-        model_path: str,
+        settings: LearnerSettings,
+        loss: LossSpec | None = None,
         *,
         rank: int = 0,
         world_size: int = 1,
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
-        zero_stage: int = 2,
-        lr: float = 1e-4,
-        warmup_steps: int = 0,
-        weight_decay: float = 0.0,
-        grad_clip: float = 1.0,
-        micro_batch_size: int = 32,
-        policy_loss: str = "cagrpo",
-        clip_eps_low: float = 0.2,
-        clip_eps_high: float = 0.2,
-        loss_agg: str = "token-mean",
-        cov_scope: str = "group",
-        cagrpo_kernel: str = "normalized",
-        std_normalize: bool = True,
-        temperature: float = 1.0,
-        ref_model_path: str | None = None,
-        kl_coef: float = 0.0,
-        entropy_coef: float = 0.0,
-        tis_cap: float | None = None,
-        max_response_length: int | None = None,
-        seed: int = 0,
-        bf16: bool | None = None,
-        num_threads: int = 1,
-        dist_timeout_s: float = 600.0,
     ) -> None:
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        if policy_loss not in POLICY_LOSSES:
-            raise ValueError(
-                f"policy_loss {policy_loss!r} is not one of {', '.join(POLICY_LOSSES)}"
-            )
-        if loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg {loss_agg!r} is not one of {', '.join(LOSS_AGG_MODES)}")
-        if cov_scope not in ("group", "batch"):
-            raise ValueError(f"cov_scope {cov_scope!r} is not one of group, batch")
-        if kl_coef > 0 and ref_model_path is None:
-            raise ValueError("kl_coef > 0 needs ref_model_path (the frozen reference policy)")
-        if temperature <= 0:
-            raise ValueError(f"temperature must be positive (the sampling one), got {temperature}")
-        if tis_cap is not None and tis_cap <= 0:
-            raise ValueError(f"tis_cap must be positive or None (off), got {tis_cap}")
-        if num_threads > 0:
-            torch.set_num_threads(num_threads)
-        self.model_path = str(model_path)
+        loss = loss or LossSpec()
+        if settings.num_threads > 0:
+            torch.set_num_threads(settings.num_threads)
+        self.settings, self.loss = settings, loss
+        self.model_path = str(settings.model_path)
         self.rank, self.world_size = rank, world_size
-        self.zero_stage = zero_stage
-        self.micro_batch_size = micro_batch_size
-        self.temperature = temperature
-        self.loss_name = policy_loss
-        self.loss_kwargs = dict(
-            clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high, loss_agg=loss_agg
-        )
-        self.cov_scope = cov_scope
-        self.cagrpo_kernel = cagrpo_kernel
-        self.std_normalize = std_normalize
-        self.max_response_length = max_response_length
-        self.seed = seed
-        self.kl_coef, self.entropy_coef, self.tis_cap = kl_coef, entropy_coef, tis_cap
+        self.zero_stage = settings.zero_stage
+        self.micro_batch_size = settings.micro_batch_size
+        self.temperature = settings.temperature
         self.step = 0
+        self.weight_sender = None  # rank 0's end of the weight sync, once opened
 
-        init_data_parallel(rank, world_size, master_addr, master_port, dist_timeout_s)
-        self._seed_everything(seed)
-        use_bf16 = torch.cuda.is_available() if bf16 is None else bf16
+        init_data_parallel(rank, world_size, master_addr, master_port, settings.dist_timeout_s)
+        seed_everything(settings.seed)
+        use_bf16 = torch.cuda.is_available() if settings.bf16 is None else settings.bf16
         self.ds_config = deepspeed_config(
-            zero_stage, micro_batch_size, world_size, grad_clip, use_bf16
+            settings.zero_stage, settings.micro_batch_size, world_size, settings.grad_clip, use_bf16
         )
         model = self._load_model(self.model_path)
         # No weight decay on biases and norms, as usual for transformers.
@@ -174,29 +126,26 @@ class Learner:
         no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
         optimizer = torch.optim.AdamW(
             [
-                {"params": decay, "weight_decay": weight_decay},
+                {"params": decay, "weight_decay": settings.weight_decay},
                 {"params": no_decay, "weight_decay": 0.0},
             ],
-            lr=lr,
+            lr=settings.lr,
         )
         # Linear warm-up from lr / warmup_steps on the first step to lr, then constant.
+        warmup = settings.warmup_steps
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
         )
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
         self.device = self.engine.device
         self.ref_model = None
-        if ref_model_path is not None:
-            self.ref_model = self._reference_model(str(ref_model_path))
+        ref_path = settings.ref_model_path or (self.model_path if loss.kl_coef > 0 else None)
+        if ref_path is not None:
+            self.ref_model = self._reference_model(str(ref_path))
 
     # ----------------------------------------------------------------------------- set-up
-
-    def _seed_everything(self, seed: int) -> None:
-        random.seed(seed)
-        np.random.seed(seed)
-        torch.manual_seed(seed)
 
     def _load_model(self, path: str) -> torch.nn.Module:
         dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
@@ -271,25 +220,28 @@ class Learner:
         reducer.mean("logprob/mismatch_mean", mismatch.mean() if tokens else 0.0, tokens)
         reducer.max("logprob/mismatch_max", mismatch.max() if tokens else 0.0)
         reducer.mean("entropy/mean", entropy[mask].mean() if tokens else 0.0, tokens)
-        is_weights = self._tis_weights(old_logprobs, batch["behavior_logprobs"], mask, reducer)
+        is_weights = None
+        if self.loss.tis_cap is not None:  # the off-policy correction (algo/off_policy.py)
+            is_weights, tis_metrics = truncated_is_weights(
+                old_logprobs, batch["behavior_logprobs"], mask, self.loss.tis_cap
+            )
+            for name, value in tis_metrics.items():
+                reducer.mean(name, value, tokens)
 
-        # (2) Group-relative advantages; groups are whole (and of one size) on this rank.
-        group_size = int(group_sizes(batch["group_ids"])[0])
-        advantages = group_advantages(batch["rewards"], group_size, self.std_normalize)
+        # (2) Group-relative advantages, computed when the groups were scored (one source).
+        advantages = batch["advantages"]
         reducer.mean("reward/mean", batch["rewards"].mean(), mask.shape[0])
         reducer.mean("advantage/abs_mean", advantages.abs().mean(), mask.shape[0])
 
         # (3) Batch statistics and normalisers, once over the whole batch on all ranks.
         process_group = data_parallel_group()
         prepared = prepare_loss_inputs(
-            self.loss_name,
+            self.loss,
             old_logprobs,
             advantages,
             mask,
             batch["group_ids"],
-            cov_scope=self.cov_scope,
-            cagrpo_kernel=self.cagrpo_kernel,
-            seed=self.seed * 1_000_003 + self.step,
+            seed=self.settings.seed * 1_000_003 + self.step,
             max_response_length=self._max_response_length(mask),
             process_group=process_group,
         )
@@ -305,21 +257,17 @@ class Learner:
             self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
             logits = self._logits(self.engine, batch, rows)
             logprobs = self._token_logprobs(logits, batch["input_ids"][rows], mask.shape[1])
-            if is_weights is not None:
-                # Same value, gradient scaled per token by the truncated IS weight.
-                logprobs = logprobs.detach() + is_weights[rows] * (logprobs - logprobs.detach())
+            with_entropy = bool(self.loss.entropy_coef)
             out = policy_loss(
-                self.loss_name,
+                self.loss,
                 logprobs,
                 old_logprobs[rows],
                 advantages[rows],
                 mask[rows],
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                kl_coef=self.kl_coef,
-                entropy=self._token_entropy(logits, mask.shape[1]) if self.entropy_coef else None,
-                entropy_coef=self.entropy_coef,
+                entropy=self._token_entropy(logits, mask.shape[1]) if with_entropy else None,
+                is_weights=None if is_weights is None else is_weights[rows],
                 prepared=prepared.rows(rows),
-                **self.loss_kwargs,
             )
             loss = out.loss * 0.0 if padding else out.loss
             if not padding:
@@ -366,40 +314,10 @@ class Learner:
         else:
             reducer.mean(name, value, tokens)
 
-    def _tis_weights(self, proximal, behavior, mask, reducer: RankReducer):
-        """Truncated importance weights min(pi_prox / pi_behavior, cap) per token, or None.
-
-        The off-policy estimator (decoupled PPO, Hilton et al. 2022; AReaL; verl's truncated
-        IS). Samples come from the behavior policy mu (the generator's weights, possibly some
-        versions old, and a different kernel even when not); the learner recomputes the
-        proximal policy pi_prox (its own weights before this step) and optimizes pi_theta:
-
-            L(theta) = - sum_t  w_t * min(r_t A_t, clip(r_t, 1 - eps_low, 1 + eps_high) A_t)
-            r_t = pi_theta(o_t) / pi_prox(o_t)                   (the PPO ratio: trust region)
-            w_t = min(pi_prox(o_t) / mu(o_t), cap)      (no gradient: corrects mu -> pi_prox)
-
-        with A_t the (CA-GRPO-reweighted) advantage. The trust region is taken around
-        pi_prox, not mu, so stale data does not widen it; truncating w_t at `tis_cap` bounds
-        the variance that a token much likelier under pi_prox than under mu would bring.
-        CA-GRPO's covariance and the Clip-Cov/KL-Cov selections use log pi_prox (the
-        learner's own log-probs), never mu's. In `train_step`, w_t multiplies each token's
-        gradient (`logprobs.detach() + w * (logprobs - logprobs.detach())`), which is the
-        gradient of w_t times the token's clipped objective.
-        """
-        if self.tis_cap is None:
-            return None
-        raw = torch.exp((proximal - behavior).clamp(max=20.0)) * mask
-        weights = raw.clamp(max=self.tis_cap)
-        tokens = mask.sum()
-        reducer.mean("tis/weight_mean", weights[mask].mean() if tokens else 0.0, tokens)
-        truncated = (raw > self.tis_cap)[mask].float()
-        reducer.mean("tis/truncated_frac", truncated.mean() if tokens else 0.0, tokens)
-        return weights
-
     def _max_response_length(self, mask: torch.Tensor) -> int:
         """Dr.GRPO's constant L: the configured one, else the longest response in the batch."""
-        if self.max_response_length is not None:
-            return self.max_response_length
+        if self.settings.max_response_length is not None:
+            return self.settings.max_response_length
         longest = mask.sum(1).max().reshape(1)
         return int(all_reduce_(longest, "max").item())
 
@@ -408,6 +326,7 @@ class Learner:
         out["response_mask"] = out["response_mask"].bool()
         out["behavior_logprobs"] = out["behavior_logprobs"].float()
         out["rewards"] = out["rewards"].float()
+        out["advantages"] = out["advantages"].float()
         return out
 
     def _token_logprobs(self, logits, input_ids, width: int) -> torch.Tensor:
@@ -477,6 +396,48 @@ class Learner:
             elif self.rank == 0:
                 yield name, param.detach()
 
+    def open_weight_sender(
+        self, host: str, world_size: int, backend: str, timeout_s: float, bucket_mb: float
+    ) -> dict | None:
+        """On rank 0: (re)start the weight-sync group's store on `host` and return its address
+        (`SyncAddress` as a dict) for the generators to join; None on the other ranks."""
+        if self.rank != 0:
+            return None
+        from cagrpo_ray.sync import WeightSender
+
+        if self.weight_sender is not None:
+            self.weight_sender.close()
+        self.weight_sender = WeightSender(
+            host=host,
+            port=0,
+            world_size=world_size,
+            backend=backend,
+            timeout_s=timeout_s,
+            bucket_mb=bucket_mb,
+        )
+        return asdict(self.weight_sender.address)
+
+    def send_weights(self, version: int) -> dict:
+        """Broadcast the current weights as `version` to the generators. Every rank must call
+        it (ZeRO-3 gathers each parameter from all ranks); rank 0 sends. Returns rank 0's
+        `SyncStats` as a dict, or {"error": ...} when the sync failed ({} on other ranks)."""
+        from cagrpo_ray.sync import WeightSyncError
+
+        tensors = self.iter_sync_weights()
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return {}
+        if self.weight_sender is None:
+            raise RuntimeError("send_weights before open_weight_sender")
+        try:
+            stats = self.weight_sender.send(tensors, version)
+        except WeightSyncError as exc:
+            for _ in tensors:  # keep every rank's ZeRO-3 gathers matched
+                pass
+            return {"error": str(exc)}
+        return asdict(stats)
+
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """All of `iter_sync_weights` as one CPU dict on rank 0 (empty on other ranks)."""
         return {name: t.to("cpu", copy=True) for name, t in self.iter_sync_weights()}
@@ -503,7 +464,7 @@ class Learner:
         ckpt.mkdir(parents=True, exist_ok=True)
         state = {"learner_step": self.step, "client_state": dict(client_state or {})}
         self.engine.save_checkpoint(str(ckpt), tag=_CHECKPOINT_TAG, client_state=state)
-        torch.save(self._rng_state(), ckpt / f"rng_rank{self.rank}.pt")
+        torch.save(rng_state(), ckpt / f"rng_rank{self.rank}.pt")
         self._barrier()
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> dict:
@@ -516,25 +477,8 @@ class Learner:
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the learner checkpoint in {ckpt}")
         self.step = int(state["learner_step"])
-        self._set_rng_state(torch.load(ckpt / f"rng_rank{self.rank}.pt", weights_only=False))
+        set_rng_state(torch.load(ckpt / f"rng_rank{self.rank}.pt", weights_only=False))
         return state["client_state"]
-
-    def _rng_state(self) -> dict:
-        state = {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
-        return state
-
-    def _set_rng_state(self, state: dict) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
 
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
