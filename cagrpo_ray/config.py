@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cagrpo_ray.algo.losses import CAGRPO_KERNELS, LOSS_AGG_MODES, POLICY_LOSSES, LossSpec
+from cagrpo_ray.algo.stats import SCOPES
 
 
 class Section(BaseModel):
@@ -31,17 +34,19 @@ class Section(BaseModel):
 class RunConfig(Section):
     name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder for checkpoints, metrics and plots.")
-    mode: Literal["sync", "async"] = Field(
-        "sync",
-        description="sync: generate, score, train, sync in turn (on-policy). async: generators "
-        "keep generating while the learner trains, within run.max_staleness.",
+    mode: Literal["sync", "async"] | None = Field(
+        None,
+        description="Shorthand for run.max_staleness: sync is 0 (generate, score, train, sync in "
+        "turn; on-policy), async is 1 unless max_staleness says otherwise. sync with a "
+        "max_staleness above 0 is an error.",
     )
-    max_staleness: int = Field(
-        1,
+    max_staleness: int | None = Field(
+        None,
         ge=0,
-        description="async: the most policy versions a trained sample may lag the learner "
-        "(0 behaves like sync). Generation that would exceed it is not started; groups that "
-        "exceed it anyway are dropped and counted.",
+        description="The most policy versions a trained sample may lag the learner. 0 is the "
+        "synchronous schedule; above 0 generators keep sampling while the learner trains. "
+        "Generation that would exceed it is not started; groups that exceed it anyway are "
+        "dropped and counted. None: from run.mode (0 without one).",
     )
     seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
@@ -60,6 +65,29 @@ class RunConfig(Section):
     ray_num_cpus: int | None = Field(
         None, description="CPUs for a local Ray cluster started by the run (None: all)."
     )
+    save_policy: Literal["checkpoints", "end", "never"] = Field(
+        "checkpoints",
+        description="Write the trained policy as a Hugging Face model directory (safetensors, "
+        "config, tokenizer): with every checkpoint and at the end (<run>/policy), only at the "
+        "end, or never.",
+    )
+
+    @model_validator(mode="after")
+    def _resolve_staleness(self) -> RunConfig:
+        if self.mode == "sync" and self.max_staleness not in (None, 0):
+            raise ValueError(
+                f"run.mode 'sync' is run.max_staleness 0, but run.max_staleness is "
+                f"{self.max_staleness}: drop run.mode (a bound above 0 is asynchronous) or set "
+                "run.max_staleness to 0"
+            )
+        if self.max_staleness is None:
+            # object.__setattr__: plain assignment would re-run this validator
+            object.__setattr__(self, "max_staleness", 1 if self.mode == "async" else 0)
+        return self
+
+    @property
+    def asynchronous(self) -> bool:
+        return bool(self.max_staleness)
 
 
 class ModelConfig(Section):
@@ -101,6 +129,16 @@ class DataConfig(Section):
         "'none', or the text itself. Templates of the small policies leave it out.",
     )
 
+    @model_validator(mode="after")
+    def _files_named(self) -> DataConfig:
+        if self.source == "file" and (self.path is None or self.eval_path is None):
+            missing = [k for k in ("path", "eval_path") if getattr(self, k) is None]
+            raise ValueError(
+                f"data.source 'file' needs data.path and data.eval_path; missing: "
+                f"{', '.join('data.' + k for k in missing)}"
+            )
+        return self
+
 
 class RolloutConfig(Section):
     engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine.")
@@ -135,19 +173,41 @@ class RewardConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    policy_loss: Literal["grpo", "cagrpo", "clip_cov", "kl_cov"] = Field(
-        "cagrpo", description="Policy loss from cagrpo_ray.algo.losses."
+    policy_loss: Literal[tuple(POLICY_LOSSES)] = Field(  # the registry's names
+        "cagrpo", description="Policy loss from the registry in cagrpo_ray.algo.losses."
     )
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = Field(
+    loss_agg: Literal[LOSS_AGG_MODES] = Field(
         "token-mean", description="How token losses are aggregated."
     )
-    cov_scope: Literal["group", "batch"] = Field(
+    cov_scope: Literal[SCOPES] = Field(
         "group", description="Token set over which CA-GRPO's covariance kernel is taken."
     )
-    cagrpo_kernel: Literal["normalized", "unnormalized", "ones"] = Field(
+    cagrpo_kernel: Literal[CAGRPO_KERNELS] = Field(
         "normalized",
         description="CA-GRPO's weights: normalized (the paper's w~); the ablations unnormalized "
         "(raw Gaussian kernel w) and ones (every weight 1, which is GRPO).",
+    )
+    clip_cov_ratio: float = Field(
+        2e-4, ge=0, le=1, description="Clip-Cov: fraction of tokens whose gradient is cut."
+    )
+    clip_cov_lb: float = Field(
+        1.0, description="Clip-Cov: lower bound of the covariance band tokens are drawn from."
+    )
+    clip_cov_ub: float = Field(
+        5.0, description="Clip-Cov: upper bound of the covariance band tokens are drawn from."
+    )
+    kl_cov_ratio: float = Field(
+        2e-4,
+        ge=0,
+        le=1,
+        description="KL-Cov: fraction of tokens (largest covariance) that get the |log r| "
+        "penalty (the authors' 7B recipe: 2e-3).",
+    )
+    kl_cov_coef: float = Field(
+        1.0,
+        ge=0,
+        description="KL-Cov: coefficient of |log r| (the authors' code and verl's recipes use 1; "
+        "verl's dataclass default is 0.1).",
     )
     std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
     clip_eps_low: float = Field(0.2, ge=0, description="PPO clip range below 1.")
@@ -159,8 +219,15 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the reference policy (0: off).")
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
     tis_cap: float | None = Field(
-        None, description="Truncated importance-sampling cap on behavior->proximal weights."
+        None,
+        gt=0,
+        description="Truncated importance-sampling cap on behavior->proximal weights (None: off).",
     )
+
+    def loss_spec(self) -> LossSpec:
+        """The loss and all its options as one typed value, for the learner."""
+        options = {name: getattr(self, name) for name in LossSpec.option_names()}
+        return LossSpec(self.policy_loss, **options)
 
 
 class LearnerConfig(Section):
@@ -238,6 +305,10 @@ def _describe(error: dict) -> str:
         choices = typing.get_args(field.model_fields[loc[-1]].annotation) if field else ()
         allowed = ", ".join(str(c) for c in choices) or error.get("ctx", {}).get("expected", "?")
         return f"{dotted}: {given!r} is not one of {allowed}"
+    if error["type"] == "value_error" and isinstance(given, dict):
+        # a section's own check (e.g. run.mode against run.max_staleness): its message names
+        # the keys, the whole section would only be noise
+        return f"{dotted}: {error['msg'].removeprefix('Value error, ')}"
     return f"{dotted}: {given!r} is invalid: {error['msg']}"
 
 

@@ -80,3 +80,44 @@ def test_cli_prints_resolved_config_and_rejects_bad_keys(capsys):
     assert "lr: 0.001" in capsys.readouterr().out
     assert main(["--set", "nope.x=1"]) == 2
     assert "nope: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "overrides, bound",
+    [
+        ([], 0),  # the default is the synchronous schedule
+        (["run.mode=sync"], 0),
+        (["run.mode=async"], 1),  # the shorthand's bound
+        (["run.mode=async", "run.max_staleness=3"], 3),
+        (["run.max_staleness=2"], 2),
+        (["run.mode=async", "run.max_staleness=0"], 0),  # async with bound 0 is sync
+    ],
+)
+def test_one_staleness_bound_with_mode_as_shorthand(overrides, bound):
+    config = load_config(None, overrides)
+    assert config.run.max_staleness == bound
+    assert config.run.asynchronous == (bound > 0)
+
+
+def test_contradictory_mode_and_bound_is_an_error_naming_both():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["run.mode=sync", "run.max_staleness=2"])
+    message = str(err.value)
+    assert "run.mode 'sync'" in message and "run.max_staleness is 2" in message
+
+
+def test_loss_names_come_from_the_registry_and_options_reach_the_spec():
+    import typing
+    from dataclasses import fields
+
+    from cagrpo_ray.algo.losses import POLICY_LOSSES, LossSpec
+
+    config = load_config(None, ["algorithm.kl_cov_ratio=0.002", "algorithm.clip_cov_ub=4"])
+    spec = config.algorithm.loss_spec()
+    assert spec.kl_cov_ratio == 0.002 and spec.clip_cov_ub == 4.0
+    # the config's defaults are the spec's: one set of defaults, written twice, kept equal
+    default = Config().algorithm.loss_spec()
+    for f in fields(LossSpec):
+        assert getattr(default, f.name) == f.default, f.name
+    allowed = Config.model_fields["algorithm"].annotation.model_fields["policy_loss"].annotation
+    assert set(typing.get_args(allowed)) == set(POLICY_LOSSES)
