@@ -1,18 +1,20 @@
-"""The synchronous training loop: generate, score, buffer, train, sync, repeat.
+"""One training run from start to end: build the roles, evaluate, train, checkpoint, report.
 
-`Trainer` composes the roles (generator replicas, reward pool, rollout buffer, learner group,
-weight sync) from a `Config`; each role is a plain class that Ray wraps. One step:
+`Trainer` composes the roles from a `Config` (each a plain class that Ray wraps) and hands
+them to the one `Scheduler`, which runs the steps (its bound `run.max_staleness` decides how
+far generation runs ahead of training; 0 is the synchronous schedule):
 
-    prompts ─> GeneratorPool.generate (G samples each) ─> RewardPool ─> RolloutBuffer
-            ─> LearnerGroup.train_step ─> weight sync (learner rank 0 ─> every generator)
+    prompts ─> GeneratorPool (G samples each) ─> reward pool ─> RolloutBuffer
+            ─> LearnerGroup.train_step ─> WeightSyncCoordinator (learner rank 0 ─> replicas)
 
-A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state, trainer
-state: step, data cursor, policy version, RNG), end-of-run plots and `summary.json`.
+A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state, scheduler
+state: step, data cursor, policy version, prompts in flight; buffered rollouts; the policy as
+a Hugging Face directory), `policy/` (the final policy, loadable by transformers, vLLM and
+`python -m cagrpo_ray.eval --model`), end-of-run plots and `summary.json`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,68 +26,21 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from ray.exceptions import RayActorError, RayError
 
-from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.config import Config
-from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
-from cagrpo_ray.metrics.plots import plot_run, write_summary
-from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
+from cagrpo_ray.metrics.plots import plot_run, summarize
+from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.rollout.types import SamplingConfig
+from cagrpo_ray.scheduler import Scheduler, instruction_text
+from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
 
 STATE_FILE = "trainer_state.json"
-
-
-def instruction_text(config: Config) -> str | None:
-    value = config.data.instruction
-    return {"r1": R1_INSTRUCTION, "none": None}.get(value, value)
-
-
-# ---------------------------------------------------------------- functions run on learners
-
-
-def _open_sender(learner, world_size: int, backend: str, timeout_s: float, bucket_mb: float):
-    """On learner rank 0: start the weight-sync group's store and return its address."""
-    from cagrpo_ray.sync import WeightSender
-
-    if learner.rank != 0:
-        return None
-    old = getattr(learner, "weight_sender", None)
-    if old is not None:
-        old.close()
-    host = ray.util.get_node_ip_address()
-    learner.weight_sender = WeightSender(
-        host=host,
-        port=0,
-        world_size=world_size,
-        backend=backend,
-        timeout_s=timeout_s,
-        bucket_mb=bucket_mb,
-    )
-    return dataclasses.asdict(learner.weight_sender.address)
-
-
-def _send_weights(learner, version: int):
-    """Every rank takes part in gathering (ZeRO-3); rank 0 broadcasts to the generators."""
-    tensors = learner.iter_sync_weights()
-    if learner.rank != 0:
-        for _ in tensors:
-            pass
-        return None
-    from cagrpo_ray.sync import WeightSyncError
-
-    try:
-        stats = learner.weight_sender.send(tensors, version)
-    except WeightSyncError as exc:
-        for _ in tensors:  # keep every rank's ZeRO-3 gathers matched
-            pass
-        return {"error": str(exc)}
-    return dataclasses.asdict(stats)
+POLICY_DIR = "policy"
+EVAL_SEED = 12345
 
 
 def required_cpus(config: Config) -> float:
@@ -98,11 +53,23 @@ def required_cpus(config: Config) -> float:
     )
 
 
-def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> float:
-    """Share of the replicas' wall time in which none of their requests was running."""
-    if replicas == 0 or wall_seconds <= 0:
-        return 0.0
-    return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
+def learner_settings(config: Config, model_path: str):
+    """The learners' `LearnerSettings` from the config (the loss is `algorithm.loss_spec()`)."""
+    from cagrpo_ray.learner.learner import LearnerSettings
+
+    a, lcfg = config.algorithm, config.learner
+    return LearnerSettings(
+        model_path=model_path,
+        zero_stage=lcfg.zero_stage,
+        micro_batch_size=lcfg.micro_batch_size,
+        lr=a.lr,
+        warmup_steps=a.warmup_steps,
+        weight_decay=a.weight_decay,
+        grad_clip=a.grad_clip,
+        temperature=config.rollout.temperature,
+        max_response_length=config.rollout.max_tokens,
+        seed=config.run.seed,
+    )
 
 
 class Trainer:
@@ -113,17 +80,24 @@ class Trainer:
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.ckpt_root = self.run_dir / "checkpoints"
         self.resume = resume
-        self.step = 0
-        self.cursor = 0  # index of the next training prompt
-        self.policy_version = 0
+        self.scheduler: Scheduler | None = None
         self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
+        self.pool: GeneratorPool | None = None
+        self.reward_pool = None
+        self.learners = None
+
+    @property
+    def step(self) -> int:
+        return self.scheduler.step if self.scheduler is not None else 0
 
     # ------------------------------------------------------------------------ set-up
 
     def setup(self) -> None:
+        from transformers import AutoTokenizer
+
         from cagrpo_ray.learner.group import LearnerGroup
         from cagrpo_ray.policies.build import resolve_policy
         from cagrpo_ray.rewards import RewardFunction
@@ -135,8 +109,6 @@ class Trainer:
         np.random.seed(cfg.run.seed)
 
         self.model_path = str(resolve_policy(cfg.model.path))
-        from transformers import AutoTokenizer
-
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_source, self.eval_items = self._sources()
         log.info(
@@ -152,7 +124,7 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
         )
-        self.generators = [
+        generators = [
             GeneratorActor.options(
                 num_cpus=cfg.rollout.num_cpus_per_generator,
                 num_gpus=cfg.rollout.num_gpus_per_generator,
@@ -160,20 +132,28 @@ class Trainer:
             ).remote(replica, cfg.rollout.engine, self.model_path, self._engine_options(replica))
             for replica in range(cfg.rollout.num_generators)
         ]
-        self._wait([g.ready.remote() for g in self.generators], "generator replicas to start")
-        self.pool = GeneratorPool(
-            self.generators,
-            cfg.rollout.chunk_prompts,
-            cfg.run.wait_warn_s,
-            on_restart=self._on_generator_restart,
-        )
+        self.pool = GeneratorPool(generators, cfg.rollout.chunk_prompts, cfg.run.wait_warn_s)
+        self._wait([g.ready.remote() for g in generators], "generator replicas to start")
         self.learners = LearnerGroup(
             cfg.learner.num_learners,
-            self._learner_kwargs(),
+            learner_settings(cfg, self.model_path),
+            cfg.algorithm.loss_spec(),
             num_cpus_per_learner=cfg.learner.num_cpus_per_learner,
             num_gpus_per_learner=cfg.learner.num_gpus_per_learner,
         )
-        self.buffer = RolloutBuffer()
+        coordinator = WeightSyncCoordinator(
+            self.learners,
+            self.pool,
+            cfg.rollout.tensor_parallel_size,
+            cfg.sync.backend,
+            cfg.sync.timeout_s,
+            cfg.sync.bucket_mb,
+            self._wait,
+        )
+        self.scheduler = Scheduler(
+            cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
+            self.learners, coordinator, RolloutBuffer(), self._wait,
+        )  # fmt: skip
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
 
@@ -182,8 +162,7 @@ class Trainer:
             log.info("metrics for Prometheus at %s", self.exporter.url)
         if self.resume:
             self._load_latest_checkpoint()
-        self._build_sync_group()
-        self.sync_weights()  # generators serve the learner's weights from the first step
+        self.scheduler.start()
 
     def _sources(self):
         from cagrpo_ray.data.files import FilePromptSource
@@ -201,8 +180,6 @@ class Trainer:
                 exclude_sizes=self._held_out_exclusions(),
             )
             return train, list(held_out.iter_from(0))
-        if d.path is None or d.eval_path is None:
-            raise ValueError("data.source 'file' needs data.path and data.eval_path")
         kwargs = dict(
             question_column=d.question_column,
             answer_column=d.answer_column,
@@ -211,15 +188,6 @@ class Trainer:
         train = FilePromptSource(d.path, **kwargs)
         held_out = FilePromptSource(d.eval_path, **kwargs)
         return train, list(held_out.iter_from(0))[: d.eval_size]
-
-    def _generator_env(self, replica: int) -> dict:
-        env = {"VLLM_LOGGING_LEVEL": "WARNING"}
-        if self.config.rollout.num_gpus_per_generator == 0:
-            # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a
-            # node picks the same core. One core per replica, round robin over the node's.
-            cores = os.cpu_count() or 1
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(replica % cores)
-        return env
 
     def _held_out_exclusions(self) -> dict[str, int]:
         """Held-out prompts exclude the RL prompts and, for a built-in policy warm-started on
@@ -238,6 +206,15 @@ class Trainer:
             exclude["sft"] = spec.sft_size
         return exclude
 
+    def _generator_env(self, replica: int) -> dict:
+        env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+        if self.config.rollout.num_gpus_per_generator == 0:
+            # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a
+            # node picks the same core. One core per replica, round robin over the node's.
+            cores = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(replica % cores)
+        return env
+
     def _engine_options(self, replica: int) -> dict:
         r = self.config.rollout
         options = dict(
@@ -253,248 +230,19 @@ class Trainer:
                 options["kv_cache_gib"] = r.kv_cache_gib
         return options
 
-    def _learner_kwargs(self) -> dict:
-        a, lcfg = self.config.algorithm, self.config.learner
-        return dict(
-            model_path=self.model_path,
-            zero_stage=lcfg.zero_stage,
-            lr=a.lr,
-            warmup_steps=a.warmup_steps,
-            weight_decay=a.weight_decay,
-            grad_clip=a.grad_clip,
-            micro_batch_size=lcfg.micro_batch_size,
-            policy_loss=a.policy_loss,
-            clip_eps_low=a.clip_eps_low,
-            clip_eps_high=a.clip_eps_high,
-            loss_agg=a.loss_agg,
-            cov_scope=a.cov_scope,
-            cagrpo_kernel=a.cagrpo_kernel,
-            std_normalize=a.std_normalize,
-            temperature=self.config.rollout.temperature,
-            ref_model_path=self.model_path if a.kl_coef > 0 else None,
-            kl_coef=a.kl_coef,
-            entropy_coef=a.entropy_coef,
-            tis_cap=a.tis_cap,
-            max_response_length=self.config.rollout.max_tokens,
-            seed=self.config.run.seed,
-        )
-
-    # ------------------------------------------------------------------- weight sync
-
-    def _build_sync_group(self) -> None:
-        s = self.config.sync
-        workers = self.config.rollout.tensor_parallel_size
-        world = 1 + workers * len(self.generators)
-        address = self.learners.foreach_learner(
-            _open_sender, world, s.backend, s.timeout_s, s.bucket_mb
-        )[0]
-        refs = [
-            g.init_weight_sync.remote(address, 1 + i * workers)
-            for i, g in enumerate(self.generators)
-        ]
-        self._wait(refs, "generator workers to join the weight-sync group")
-
-    def sync_weights(self, attempts: int = 3) -> dict:
-        """Broadcast the learner's weights as `policy_version` to every generator.
-
-        A generator that dies during a sync (or a sync that times out) costs a rebuilt group
-        and another attempt once every replica answers again, not the run.
-        """
-        start = time.perf_counter()
-        version = self.policy_version
-        for attempt in range(1, attempts + 1):
-            refs = [g.receive_weights.remote(version) for g in self.generators]
-            sent = self.learners.foreach_learner(_send_weights, version)[0]
-            problems = [] if "error" not in sent else [f"learner: {sent['error']}"]
-            for replica, ref in enumerate(refs):
-                try:
-                    self._wait([ref], f"generator {replica} to load weights v{version}")
-                except RayError as exc:
-                    problems.append(f"generator {replica}: {type(exc).__name__}: {exc}")
-                    if isinstance(exc, RayActorError):
-                        self.pool.restarts += 1
-            if not problems:
-                self.pool.policy_version = version
-                self.pool.needs_weights.clear()
-                return {
-                    "sync/seconds": time.perf_counter() - start,
-                    "sync/bytes": sent["num_bytes"],
-                }
-            log.warning(
-                "weight sync v%d, attempt %d of %d failed; rebuilding the group: %s",
-                version,
-                attempt,
-                attempts,
-                "; ".join(p[:300] for p in problems),
-            )
-            self._await_generators()
-            self._build_sync_group()
-        raise RuntimeError(f"weight sync v{version} failed {attempts} times; see the log")
-
-    def _await_generators(self, timeout_s: float = 900.0) -> None:
-        """Wait until every replica answers (Ray refuses calls while it restarts an actor)."""
-        deadline = time.monotonic() + timeout_s
-        for replica, generator in enumerate(self.generators):
-            while True:
-                try:
-                    ray.get(generator.ready.remote(), timeout=self.config.run.wait_warn_s)
-                    break
-                except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(
-                            f"generator replica {replica} did not come back"
-                        ) from exc
-                    log.warning("waiting for generator replica %d to restart", replica)
-                    time.sleep(1.0)
-
-    def _on_generator_restart(self, replica: int) -> None:
-        """A replica came back from a crash with its initial weights: rebuild the group."""
-        log.warning(
-            "generator replica %d restarted; resyncing weights v%d", replica, self.policy_version
-        )
-        self._await_generators()
-        self._build_sync_group()
-        self.sync_weights()
-
-    # ------------------------------------------------------------------------- the loop
-
-    def _next_prompts(self, count: int):
-        items = []
-        for _ in range(count):
-            if self.cursor >= len(self.train_source):
-                self.cursor = 0  # a new epoch over the same prompts, in the same order
-            items.append(self.train_source[self.cursor])
-            self.cursor += 1
-        return items
-
-    def sampling(self, n: int, temperature: float, seed: int) -> SamplingConfig:
-        r = self.config.rollout
-        return SamplingConfig(
-            n=n,
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_tokens,
-            seed=seed,
-        )
-
-    def rollout(self, items) -> tuple[dict, float]:
-        """Generate, score and buffer one step's groups; returns metrics and tokens made."""
-        cfg = self.config
-        instruction = instruction_text(cfg)
-        prompts = [format_prompt(self.tokenizer, it.question, instruction) for it in items]
-        seed = cfg.run.seed * 1_000_003 + self.step
-        t0 = time.perf_counter()
-        groups = self.pool.generate(
-            prompts, self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, seed)
-        )
-        t1 = time.perf_counter()
-        texts = [c.text for group in groups for c in group]
-        per_sample_items = [it for it in items for _ in range(cfg.rollout.group_size)]
-        results = self._wait(
-            [self.reward_pool.__call__.remote(texts, per_sample_items)], "verifiers"
-        )[0]
-        t2 = time.perf_counter()
-        rewards = np.array([r.reward for r in results], dtype=np.float32)
-        correct = np.array([r.correct for r in results], dtype=bool)
-        errors = sum(r.error is not None for r in results)
-        import torch
-
-        advantages = group_advantages(
-            torch.from_numpy(rewards),
-            cfg.rollout.group_size,
-            std_normalize=cfg.algorithm.std_normalize,
-        ).numpy()
-        g = cfg.rollout.group_size
-        for k, (item, group) in enumerate(zip(items, groups, strict=True)):
-            sl = slice(k * g, (k + 1) * g)
-            self.buffer.add(
-                group_record_batch(
-                    item.uid,
-                    self.step * len(items) + k,
-                    group,
-                    rewards[sl].tolist(),
-                    correct[sl].tolist(),
-                    advantages[sl].tolist(),
-                )
-            )
-        lengths = np.array([len(c.token_ids) for group in groups for c in group])
-        truncated = np.mean([c.finish_reason == "length" for group in groups for c in group])
-        generated = float(lengths.sum())
-        equal_groups = np.mean(
-            [np.ptp(rewards[k * g : (k + 1) * g]) == 0 for k in range(len(items))]
-        )
-        return {
-            "reward/mean": float(rewards.mean()),
-            "accuracy/train": float(correct.mean()),
-            "reward/verifier_errors": errors,
-            "reward/equal_reward_groups": float(equal_groups),
-            "response/length_mean": float(lengths.mean()),
-            "response/length_max": float(lengths.max()),
-            "response/truncated_fraction": float(truncated),
-            "time/generate": t1 - t0,
-            "time/reward": t2 - t1,
-            "throughput/generate_phase_tokens_per_s": generated / max(t1 - t0, 1e-9),
-        }, generated
-
-    def train_step(self) -> dict:
-        cfg = self.config
-        t_start = time.perf_counter()
-        busy_before = sum(self.pool.busy_seconds)
-        items = self._next_prompts(cfg.rollout.prompts_per_step)
-        metrics, generated = self.rollout(items)
-        table = self.buffer.take(len(items), min_version=self.policy_version)
-        batch = to_learner_batch(table, pad_token_id=self.tokenizer.pad_token_id)
-        staleness = self.policy_version - batch["policy_version"]
-        t0 = time.perf_counter()
-        learner_metrics = self.learners.train_step(batch)
-        t1 = time.perf_counter()
-        self.step += 1
-        self.policy_version = self.step
-        metrics.update(self.sync_weights())
-        trained_tokens = float(batch["response_mask"].sum())
-        step_time = time.perf_counter() - t_start
-        metrics.update(
-            {f"learner/{k}" if "/" not in k else k: v for k, v in learner_metrics.items()}
-        )
-        metrics.update(
-            {
-                "time/train": t1 - t0,
-                "time/sync": metrics["sync/seconds"],
-                "time/step": step_time,
-                # per second of the whole step, as in async mode, so the two compare
-                "throughput/generated_tokens_per_s": generated / step_time,
-                "throughput/trained_tokens_per_s": trained_tokens / max(t1 - t0, 1e-9),
-                "throughput/samples_per_s": len(batch["rewards"]) / step_time,
-                "buffer/depth_groups": len(self.buffer),
-                "buffer/dropped_stale_groups": self.buffer.dropped_stale,
-                "staleness/mean": float(staleness.float().mean()),
-                "staleness/max": int(staleness.max()),
-                "staleness/values": staleness.numpy(),
-                "generators/restarts": self.pool.restarts,
-                "generators/idle_fraction": idle_fraction(
-                    sum(self.pool.busy_seconds) - busy_before, len(self.generators), step_time
-                ),
-                "policy_version": self.policy_version,
-                "data/cursor": self.cursor,
-                "tokens/generated": generated,
-            }
-        )
-        return metrics
+    # --------------------------------------------------------------------- the run
 
     def evaluate(self, label: str) -> dict:
         from cagrpo_ray.eval import evaluate
 
         cfg = self.config
-        reward_fn = _RemoteRewardFunction(self.reward_pool)
-        sampling = self.sampling(cfg.eval.samples, cfg.eval.temperature, seed=12345)
         result = evaluate(
-            self.pool,
+            self.scheduler,
             self.tokenizer,
             self.eval_items,
-            reward_fn,
+            _RemoteRewardFunction(self.reward_pool),
             cfg.eval.samples,
-            sampling,
+            self.scheduler.sampling(cfg.eval.samples, cfg.eval.temperature, seed=EVAL_SEED),
             instruction=instruction_text(cfg),
             details=True,
         )
@@ -514,10 +262,10 @@ class Trainer:
                     self.exporter.observe_step(0, _prefixed("eval/", summary["eval_before"]))
             self.metrics.truncate_after(self.step)
             while self.step < cfg.run.steps and not self.stop_requested:
-                self._log_step(self.train_step())
+                self._log_step(self.scheduler.train_step())
                 if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                     self.save_checkpoint()
-            self.finish_rollouts()
+            self.scheduler.finish_rollouts()
             if self.checkpointed_step != self.step:  # the periodic save may have just run
                 self.save_checkpoint()
             if self.stop_requested:
@@ -525,10 +273,14 @@ class Trainer:
                 summary["stopped_at"] = self.step
             else:
                 summary["eval_after"] = self.evaluate("after")
+            if cfg.run.save_policy != "never":
+                summary["policy_dir"] = self.learners.save_hf(str(self.run_dir / POLICY_DIR))
             summary["final_step"] = self.step
+            summary["run_dir"] = str(self.run_dir)
             records = read_metrics(self.metrics.path)
             plot_run(records, self.run_dir / "plots")
-            write_summary(records, self.run_dir / "summary.json", summary)
+            summary = summarize(records, summary)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
             self.close()
@@ -543,41 +295,28 @@ class Trainer:
         self.metrics.write({"step": self.step, **scalars})
         log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
 
-    def finish_rollouts(self) -> None:
-        """Bring rollouts still in flight home before the final checkpoint (none in sync)."""
-
-    def extra_state(self) -> dict:
-        """More trainer state for checkpoints (the async trainer's pending prompts)."""
-        return {}
-
-    def restore_extra_state(self, state: dict) -> None:
-        """Counterpart of `extra_state` on resume."""
-
     def close(self) -> None:
         """Stop the exporter and the run's actors (the Ray cluster itself stays up)."""
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
-        learners = getattr(self, "learners", None)
-        if learners is not None:
-            learners.shutdown()
-        for actor in getattr(self, "generators", []) + [getattr(self, "reward_pool", None)]:
+        if self.learners is not None:
+            self.learners.shutdown()
+        actors = list(self.pool.actors) if self.pool is not None else []
+        for actor in [*actors, self.reward_pool]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        self.generators, self.reward_pool, self.learners = [], None, None
+        self.reward_pool, self.learners = None, None
 
     # ------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path:
         path = self.ckpt_root / f"step_{self.step:06d}"
-        state = {
-            "step": self.step,
-            "cursor": self.cursor,
-            "policy_version": self.policy_version,
-            **self.extra_state(),
-        }
+        state = self.scheduler.state()
         self.learners.save_checkpoint(str(path / "learner"), state)
-        self.buffer.dump_parquet(path / "buffer.parquet")
+        if self.config.run.save_policy == "checkpoints":
+            self.learners.save_hf(str(path / POLICY_DIR))
+        self.scheduler.buffer.dump_parquet(path / "buffer.parquet")
         (path / STATE_FILE).write_text(json.dumps(state))
         (self.ckpt_root / "latest").write_text(path.name)
         self.checkpointed_step = self.step
@@ -596,12 +335,10 @@ class Trainer:
         self.learners.load_checkpoint(str(path / "learner"))
         import pyarrow.parquet as pq
 
-        self.buffer.load_table(pq.read_table(path / "buffer.parquet"))
-        self.step, self.cursor = state["step"], state["cursor"]
+        self.scheduler.buffer.load_table(pq.read_table(path / "buffer.parquet"))
+        self.scheduler.restore(state)
         self.checkpointed_step = self.step
-        self.policy_version = state["policy_version"]
-        self.restore_extra_state(state)
-        log.info("resumed from %s (step %d, data cursor %d)", path, self.step, self.cursor)
+        log.info("resumed from %s (step %d, data cursor %d)", path, self.step, state["cursor"])
 
     # --------------------------------------------------------------------- plumbing
 
@@ -630,15 +367,6 @@ class Trainer:
                     len(refs),
                 )
         return ray.get(refs)
-
-
-def make_trainer(config: Config, resume: bool = False) -> Trainer:
-    """The trainer for `run.mode`: `Trainer` (sync) or `AsyncTrainer` (async)."""
-    if config.run.mode == "async":
-        from cagrpo_ray.async_trainer import AsyncTrainer
-
-        return AsyncTrainer(config, resume=resume)
-    return Trainer(config, resume=resume)
 
 
 class _RemoteRewardFunction:

@@ -56,11 +56,36 @@ def test_results_in_prompt_order_and_spread_over_replicas(local_ray):
 def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, tmp_path):
     marker = str(tmp_path / "crashed")
     actors = [EchoReplica.remote("ok"), EchoReplica.remote("crashy", marker)]
-    resynced = []
-    pool = GeneratorPool(actors, chunk_prompts=2, on_restart=resynced.append)
+    pool = GeneratorPool(actors, chunk_prompts=2)
     out = pool.generate([[i] for i in range(10)], SamplingConfig(n=1))
     assert [group[0].token_ids[0] for group in out] == list(range(10))
-    assert pool.restarts == 1
-    assert pool.needs_weights == {1} or resynced == [1]
-    pool.generate([[i] for i in range(10)], SamplingConfig(n=1))
-    assert resynced == [1] and pool.needs_weights == set()
+    assert pool.restarts == 1 and pool.needs_weights == {1}
+    assert pool.idle_replicas() == [0]  # the restarted replica waits for its weights
+
+    # Alone, the restarted replica is resynced (here: told it has version 0) before it serves.
+    alone = GeneratorPool([actors[1]], chunk_prompts=2)
+    alone.lose(0)
+    resynced = []
+
+    def resync():
+        resynced.append(alone.needs_weights)
+        alone.loaded(0)
+
+    out = alone.generate([[i] for i in range(4)], SamplingConfig(n=1), resync=resync)
+    assert [group[0].token_ids[0] for group in out] == list(range(4))
+    assert resynced == [frozenset({0})] and alone.needs_weights == frozenset()
+    with pytest.raises(RuntimeError, match="need weights"):
+        alone.lose(0)
+        alone.generate([[0]], SamplingConfig(n=1))
+
+
+def test_chunks_in_flight_are_tagged_and_busy_time_counted(local_ray):
+    actors = [EchoReplica.remote(f"r{i}") for i in range(2)]
+    pool = GeneratorPool(actors, chunk_prompts=2)
+    pool.submit(0, [[1], [2]], SamplingConfig(n=1), tag="a")
+    pool.submit(1, [[3]], SamplingConfig(n=1), tag="b")
+    assert sorted(pool.in_flight_tags()) == ["a", "b"] and pool.idle_replicas() == []
+    finished = sorted(pool.drain(), key=lambda f: f.chunk.tag)
+    assert [f.chunk.tag for f in finished] == ["a", "b"] and not any(f.lost for f in finished)
+    assert [g[0].token_ids[0] for g in finished[0].groups] == [1, 2]
+    assert pool.busy_seconds > 0 and pool.idle_replicas() == [0, 1]

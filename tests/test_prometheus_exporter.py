@@ -73,7 +73,7 @@ def test_labels_map_trainer_keys_and_carry_the_run():
     exporter.observe_step(
         3,
         {
-            "time/generate": 4.0,
+            "time/wait_batch": 4.0,
             "time/sync": 0.25,
             "staleness/max": 2,
             "accuracy/train": 0.4,
@@ -90,7 +90,7 @@ def test_labels_map_trainer_keys_and_carry_the_run():
     def value(name, **labels):
         return got[(name, tuple(sorted([run, *labels.items()])))]
 
-    assert value("cagrpo_step_phase_seconds", phase="generate") == 4.0
+    assert value("cagrpo_step_phase_seconds", phase="wait_batch") == 4.0
     assert value("cagrpo_step_phase_seconds", phase="sync") == 0.25
     assert value("cagrpo_staleness_versions", stat="max") == 2
     assert value("cagrpo_accuracy_ratio", split="train") == 0.4
@@ -187,11 +187,22 @@ def test_every_key_read_is_one_the_trainer_or_learner_produces():
     from cagrpo_ray.algo.stats import covariance_quantiles
     from cagrpo_ray.eval.metrics import k_values
 
-    trainer = string_literals(PACKAGE / "trainer.py") | string_literals(
-        PACKAGE / "async_trainer.py"
+    trainer = set().union(
+        *(
+            string_literals(PACKAGE / path)
+            for path in ("trainer.py", "scheduler.py", "sync/coordinator.py")
+        )
     )
-    learner = string_literals(PACKAGE / "learner" / "learner.py") | string_literals(
-        PACKAGE / "algo" / "losses.py"
+    learner = set().union(
+        *(
+            string_literals(PACKAGE / path)
+            for path in (
+                "learner/learner.py",
+                "algo/losses.py",
+                "algo/batch_stats.py",
+                "algo/off_policy.py",
+            )
+        )
     )
     # Trainer.train_step files learner metrics without a "/" under "learner/".
     produced = trainer | {k if "/" in k else f"learner/{k}" for k in learner}

@@ -103,11 +103,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "cagrpo_step_phase_seconds",
         "gauge",
-        "Wall time of each phase of the last learner step, in seconds (async mode: generate "
-        "and reward overlap training and are not phases; wait_batch is the learner's wait).",
+        "Wall time of each phase of the last learner step, in seconds: wait_batch is the "
+        "learner's wait for a batch (generation and scoring, which overlap training when "
+        "run.max_staleness > 0), then train and sync.",
         {
-            "time/generate": "generate",
-            "time/reward": "reward",
             "time/train": "train",
             "time/sync": "sync",
             "time/wait_batch": "wait_batch",

@@ -11,7 +11,7 @@ One row per response. The schema (`ROLLOUT_SCHEMA`):
 | behavior_logprobs | list<float32> | generator's log-prob of each response token |
 | reward | float32 | weighted verifier reward |
 | correct | bool | task verifier's verdict |
-| advantage | float32 | GRPO group advantage of the response |
+| advantage | float32 | GRPO group advantage of the response (what the learner trains on) |
 | policy_version | int64 | version of the weights that sampled it |
 | prompt_len, response_len | int32 | token counts |
 | finish_reason | string | "stop" or "length" |
@@ -200,6 +200,7 @@ def to_learner_batch(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tens
         "response_mask": torch.from_numpy(response),
         "behavior_logprobs": torch.from_numpy(behavior),
         "rewards": torch.from_numpy(table.column("reward").to_numpy().astype(np.float32)),
+        "advantages": torch.from_numpy(table.column("advantage").to_numpy().astype(np.float32)),
         "group_ids": torch.from_numpy(table.column("group_id").to_numpy().astype(np.int64)),
         "policy_version": torch.from_numpy(
             table.column("policy_version").to_numpy().astype(np.int64)

@@ -1,11 +1,13 @@
-"""Asynchronous training: the generators never wait for the learner.
+"""One scheduler for every schedule: generation, scoring, training and weight sync, overlapped
+as far as a staleness bound allows.
 
-The driver is one event loop over Ray object refs. Every generator replica always has a
-chunk of prompts in flight (while there is admissible work); a finished chunk goes to the
-reward pool; a scored group goes into the rollout buffer; as soon as the buffer holds a batch,
+The driver is one event loop over Ray object refs. Every idle generator replica gets a chunk
+of prompts (while the bound admits more); a finished chunk goes to the reward pool; a scored
+group goes into the rollout buffer with its advantages; as soon as the buffer holds a batch,
 the learner trains on it while generation goes on; when the learner step ends, the new weights
-are broadcast, and each replica loads them between two of its requests (its `receive_weights`
-call is queued behind the chunk it is generating, so no request is ever cut in half):
+are broadcast, and each replica loads them between two of its requests (its
+`receive_weights` call is queued behind the chunk it is generating, so no request is ever cut
+in half):
 
     generator 0  |== chunk ==|== chunk ==|rw|== chunk ==|== chunk ==|rw| ...
     generator 1  |== chunk ==|== chunk ==|== chunk ==|rw|== chunk ==| ...
@@ -20,35 +22,39 @@ version that sampled it. With P prompts per step and bound s, a chunk is only *s
 where g is the version the replica will sample with, t the version that will train on the
 next batch taken from the buffer (the learner's version, plus one while a step is running),
 and `outstanding` counts groups buffered or in flight. So data that would be too stale is
-never generated, and s = 0 gives the synchronous schedule (generate a batch, train, sync).
-Groups that exceed the bound anyway (work requeued after a generator crash, a resumed
-buffer) are dropped by the buffer when the batch is taken and counted in
-`buffer/dropped_stale_groups`.
+never generated, and s = 0 is the synchronous schedule (generate a batch, score it, train,
+sync, repeat: on-policy, the generators idle while the learner trains). Groups that exceed the
+bound anyway (work requeued after a generator crash, a resumed buffer) are dropped by the
+buffer when the batch is taken and counted in `buffer/dropped_stale_groups`.
 
-Off-policy correction is the learner's (see `Learner._tis_weights`): the PPO ratio is taken
-against the proximal policy recomputed by the learner, and the behavior-to-proximal importance
-weight is truncated at `algorithm.tis_cap`.
+Batches are taken in the order their groups were started, with seeds fixed by each group's
+position (step, index in the step), so a run's samples do not depend on which replica finished
+first, and s = 0 trains on exactly the batches of a strictly sequential loop.
+
+Off-policy correction is the learner's (`algo/off_policy.py`): the PPO ratio is taken against
+the proximal policy recomputed by the learner, and the behavior-to-proximal importance weight
+is truncated at `algorithm.tis_cap`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import ray
 import torch
-from ray.exceptions import RayActorError, RayError
 
 from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.config import Config
-from cagrpo_ray.data.prompts import format_prompt
-from cagrpo_ray.rollout.buffer import group_record_batch, to_learner_batch
-from cagrpo_ray.rollout.pool import _chunk_sampling
-from cagrpo_ray.trainer import Trainer, _send_weights, idle_fraction, instruction_text
+from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
+from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
+from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
+from cagrpo_ray.rollout.types import SamplingConfig
+from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
 
@@ -63,6 +69,24 @@ def admissible_groups(
     """How many more prompt groups may be started now under bound (1) of the module docstring."""
     budget = (gen_version + max_staleness + 1 - train_version) * prompts_per_step
     return max(0, budget - outstanding)
+
+
+def instruction_text(config: Config) -> str | None:
+    """The instruction put before each problem: data.instruction resolved."""
+    value = config.data.instruction
+    return {"r1": R1_INSTRUCTION, "none": None}.get(value, value)
+
+
+def step_seed(config: Config, step: int) -> int:
+    """The sampling seed of learner step `step`'s prompts (each chunk derives its own)."""
+    return config.run.seed * 1_000_003 + step
+
+
+def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> float:
+    """Share of the replicas' wall time in which none of their requests was running."""
+    if replicas == 0 or wall_seconds <= 0:
+        return 0.0
+    return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
 
 
 def rollout_metrics(table: pa.Table, group_size: int) -> dict:
@@ -82,46 +106,87 @@ def rollout_metrics(table: pa.Table, group_size: int) -> dict:
     }
 
 
-@dataclasses.dataclass
-class _Chunk:
-    replica: int
-    indices: list[int]  # prompt indices into the training source
-    group_ids: list[int]
-    version: int  # the weights the replica samples it with
-    submitted: float
+@dataclass(frozen=True)
+class PromptChunk:
+    """The label of a chunk in flight: which training prompts, as which groups."""
+
+    indices: tuple[int, ...]  # into the training source
+    group_ids: tuple[int, ...]  # one per prompt, in start order
 
 
-class AsyncTrainer(Trainer):
-    """`Trainer` whose steps overlap generation, scoring, training and weight sync."""
+class Scheduler:
+    """The training loop of one run: `step()` is one learner step; state is checkpointable.
 
-    def __init__(self, config: Config, resume: bool = False):
-        super().__init__(config, resume)
+    The roles are built by the caller (`Trainer`): the generator `pool`, the `reward_pool`
+    actor, the `learners`, the weight-sync `coordinator`, the rollout `buffer`; `wait(refs,
+    what)` is a `ray.get` that logs long waits.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        tokenizer,
+        train_source,
+        pool: GeneratorPool,
+        reward_pool,
+        learners,
+        coordinator: WeightSyncCoordinator,
+        buffer: RolloutBuffer,
+        wait,
+    ):
+        self.config = config
+        self.tokenizer, self.train_source = tokenizer, train_source
+        self.pool, self.reward_pool, self.learners = pool, reward_pool, learners
+        self.coordinator, self.buffer = coordinator, buffer
+        self._wait = wait
         self.max_staleness = config.run.max_staleness
+        self.instruction = instruction_text(config)
+        self.step = 0
+        self.policy_version = 0
+        self.cursor = 0  # index of the next new training prompt
         self.requeue: deque[int] = deque()  # prompt indices to generate before new ones
         self.next_group_id = 0
-        self.gen_refs: dict = {}  # ObjectRef -> _Chunk
-        self.reward_refs: dict = {}  # ObjectRef -> (_Chunk, completions per prompt)
+        self.reward_refs: dict = {}  # ObjectRef -> (PromptChunk, completions per prompt)
         self.learn_refs: list = []
-        self.sync_refs: list = []
-        self.sync_version = 0
-        self.sync_started = 0.0
-        self.last_sync: dict = {}
-        self.replica_version: list[int] = []  # what each replica samples with next
         self.tokens_generated = 0.0
         self.verifier_errors = 0
 
-    def setup(self) -> None:
-        super().setup()
-        self.replica_version = [self.policy_version] * len(self.generators)
-        self.instruction = instruction_text(self.config)
+    # ------------------------------------------------------------------- state
+
+    def state(self) -> dict:
+        """What a checkpoint needs to continue; prompts started but not yet buffered go
+        first after a resume."""
+        pending = [i for tag in self.pool.in_flight_tags() for i in tag.indices]
+        pending += [i for chunk, _ in self.reward_refs.values() for i in chunk.indices]
+        return {
+            "step": self.step,
+            "cursor": self.cursor,
+            "policy_version": self.policy_version,
+            "requeue": list(self.requeue) + pending,
+            "next_group_id": self.next_group_id,
+        }
+
+    def restore(self, state: dict) -> None:
+        self.step, self.cursor = state["step"], state["cursor"]
+        self.policy_version = state["policy_version"]
+        self.requeue = deque(state.get("requeue", []))
+        self.next_group_id = state.get(
+            "next_group_id", self.step * self.config.rollout.prompts_per_step
+        )
+
+    def start(self) -> None:
+        """Form the weight-sync group and serve the learner's weights from the first step."""
+        self.coordinator.build_group()
+        self.coordinator.sync(self.policy_version)
 
     # ------------------------------------------------------------------- the loop
 
     def train_step(self) -> dict:
+        """One learner step: wait for a batch within the bound, train on it, start the sync."""
         cfg = self.config
         P = cfg.rollout.prompts_per_step
         t_start = time.perf_counter()
-        busy_before, tokens_before = sum(self.pool.busy_seconds), self.tokens_generated
+        busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
@@ -140,7 +205,7 @@ class AsyncTrainer(Trainer):
         batch = to_learner_batch(table, pad_token_id=self.tokenizer.pad_token_id)
         staleness = self.policy_version - batch["policy_version"]
         self.learn_refs = self.learners.submit_train_step(batch)
-        while not _all_done(self.learn_refs):
+        while self._pending(self.learn_refs):
             self._pump(wait_on=self.learn_refs)
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
@@ -149,12 +214,12 @@ class AsyncTrainer(Trainer):
         self.policy_version = self.step
 
         # (3) Broadcast the new weights; replicas load them between requests.
-        self._finish_sync()  # the previous broadcast (normally long done)
-        sync_metrics = dict(self.last_sync)
+        self.coordinator.finish()  # the previous broadcast (normally long done)
+        sync_metrics = dict(self.coordinator.last)
         if self.pool.needs_weights:
-            self._full_resync()  # a replica restarted or a broadcast failed
+            self._resync()  # a replica restarted or a broadcast failed
         else:
-            self._start_sync(self.policy_version)
+            self.coordinator.start(self.policy_version)
         self._dispatch()
         step_time = time.perf_counter() - t_start
 
@@ -164,6 +229,7 @@ class AsyncTrainer(Trainer):
         )
         trained_tokens = float(batch["response_mask"].sum())
         generated = self.tokens_generated - tokens_before
+        busy = self.pool.busy_seconds - busy_before
         metrics.update(
             {
                 "reward/verifier_errors": self.verifier_errors - errors_before,
@@ -172,6 +238,7 @@ class AsyncTrainer(Trainer):
                 "time/sync": sync_metrics.get("sync/seconds", 0.0),
                 "time/step": step_time,
                 **sync_metrics,
+                # per second of the whole step, whatever the bound, so runs compare
                 "throughput/generated_tokens_per_s": generated / step_time,
                 "throughput/trained_tokens_per_s": trained_tokens / max(t_trained - t_batch, 1e-9),
                 "throughput/samples_per_s": len(batch["rewards"]) / step_time,
@@ -182,9 +249,7 @@ class AsyncTrainer(Trainer):
                 "staleness/max": int(staleness.max()),
                 "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
-                "generators/idle_fraction": idle_fraction(
-                    sum(self.pool.busy_seconds) - busy_before, len(self.generators), step_time
-                ),
+                "generators/idle_fraction": idle_fraction(busy, self.pool.num_replicas, step_time),
                 "policy_version": self.policy_version,
                 "data/cursor": self.cursor,
                 "tokens/generated": generated,
@@ -194,47 +259,55 @@ class AsyncTrainer(Trainer):
 
     def _outstanding(self) -> int:
         """Groups not yet taken by the learner: buffered, being scored, being generated."""
-        in_flight = sum(len(c.indices) for c in self.gen_refs.values())
-        scoring = sum(len(c.indices) for c, _ in self.reward_refs.values())
+        in_flight = sum(len(tag.indices) for tag in self.pool.in_flight_tags())
+        scoring = sum(len(chunk.indices) for chunk, _ in self.reward_refs.values())
         return len(self.buffer) + in_flight + scoring
 
     def _dispatch(self) -> None:
         """Give every idle replica a chunk, as far as the staleness bound (1) admits."""
         cfg = self.config
         if self.pool.needs_weights and not self.learn_refs:
-            self._full_resync()  # only while the learner is idle: its weights are policy_version
-        busy = {c.replica for c in self.gen_refs.values()}
+            self._resync()  # only while the learner is idle: its weights are policy_version
         train_version = self.policy_version + (1 if self.learn_refs else 0)
-        for replica in range(len(self.generators)):
-            if replica in busy or replica in self.pool.needs_weights:
-                continue
+        for replica in self.pool.idle_replicas():
+            outstanding = self._outstanding()
             room = admissible_groups(
-                self.replica_version[replica],
+                self.pool.version(replica),
                 train_version,
-                self._outstanding(),
+                outstanding,
                 cfg.rollout.prompts_per_step,
                 self.max_staleness,
             )
-            count = min(cfg.rollout.chunk_prompts, room)
-            if count == 0:
+            # nothing past the run's last step: that would be generated and never trained
+            needed = (cfg.run.steps - train_version) * cfg.rollout.prompts_per_step - outstanding
+            count = min(cfg.rollout.chunk_prompts, room, needed)
+            if count <= 0:
                 continue
-            indices = [self._next_index() for _ in range(count)]
-            group_ids = list(range(self.next_group_id, self.next_group_id + count))
+            indices = tuple(self._next_index() for _ in range(count))
+            group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
             self.next_group_id += count
             prompts = [
                 format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
                 for i in indices
             ]
-            # The seeds of the synchronous trainer for the same groups: with max_staleness 0
-            # an async run samples, and so trains, exactly what a sync run does.
+            # Seeds fixed by each group's place (step, index in the step), not by timing.
             step, start = divmod(group_ids[0], cfg.rollout.prompts_per_step)
-            seed = cfg.run.seed * 1_000_003 + step
-            base = self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, seed)
-            sampling = _chunk_sampling(base, start)
-            ref = self.generators[replica].generate.remote(prompts, sampling)
-            self.gen_refs[ref] = _Chunk(
-                replica, indices, group_ids, self.replica_version[replica], time.monotonic()
+            base = self.sampling(
+                cfg.rollout.group_size, cfg.rollout.temperature, step_seed(cfg, step)
             )
+            sampling = chunk_sampling(base, start)
+            self.pool.submit(replica, prompts, sampling, PromptChunk(indices, group_ids))
+
+    def sampling(self, n: int, temperature: float, seed: int) -> SamplingConfig:
+        r = self.config.rollout
+        return SamplingConfig(
+            n=n,
+            temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_tokens=r.max_tokens,
+            seed=seed,
+        )
 
     def _next_index(self) -> int:
         if self.requeue:
@@ -248,8 +321,8 @@ class AsyncTrainer(Trainer):
     def _pump(self, wait_on: list | None = None) -> None:
         """Dispatch work, then handle whatever finishes first (or `wait_on`'s refs)."""
         self._dispatch()
-        refs = list(self.gen_refs) + list(self.reward_refs)
-        refs += _pending(wait_on or []) + _pending(self.sync_refs)
+        refs = self.pool.in_flight() + list(self.reward_refs)
+        refs += self._pending(wait_on or []) + self.coordinator.pending()
         if not refs and wait_on:
             return  # what the caller waits for finished since it last looked
         if not refs:
@@ -262,52 +335,34 @@ class AsyncTrainer(Trainer):
             log.warning(
                 "waited %.0f s: %d chunks generating, %d being scored, learner %s",
                 self.config.run.wait_warn_s,
-                len(self.gen_refs),
+                len(self.pool.in_flight()),
                 len(self.reward_refs),
                 "training" if self.learn_refs else "idle",
             )
             return
         ref = done[0]
-        if ref in self.gen_refs:
+        if self.pool.owns(ref):
             self._on_generated(ref)
         elif ref in self.reward_refs:
             self._on_scored(ref)
-        elif ref in self.sync_refs and not _pending(self.sync_refs):
-            self._finish_sync()
+        elif not self.coordinator.pending():
+            self.coordinator.finish()
 
     def _on_generated(self, ref) -> None:
-        chunk = self.gen_refs.pop(ref)
-        try:
-            groups = ray.get(ref)
-        except RayActorError as exc:
-            log.warning("generator replica %d died (%s); its chunk is requeued", chunk.replica, exc)
-            self._lost(chunk)
-            return
-        # chunk submitted -> returned, as the synchronous pool counts it
-        self.pool.busy_seconds[chunk.replica] += time.monotonic() - chunk.submitted
-        versions = {c.policy_version for group in groups for c in group}
-        if versions and min(versions) < chunk.version:
-            # Restarted since we last called it (Ray queues calls during a restart): it
-            # answered with its initial weights.
-            log.warning(
-                "generator replica %d answered with policy versions %s, expected >= %d; "
-                "resyncing it",
-                chunk.replica,
-                sorted(versions),
-                chunk.version,
-            )
-            self._lost(chunk)
+        self._handle_finished(self.pool.finish(ref))
+
+    def _handle_finished(self, finished) -> None:
+        """A chunk came back: score it, or requeue its prompts if its replica was lost."""
+        chunk: PromptChunk = finished.chunk.tag
+        if finished.lost:
+            self.requeue.extendleft(reversed(chunk.indices))
             return
         items = [self.train_source[i] for i in chunk.indices]
+        groups = finished.groups
         texts = [c.text for group in groups for c in group]
         per_sample = [it for it in items for _ in range(self.config.rollout.group_size)]
         self.tokens_generated += sum(len(c.token_ids) for group in groups for c in group)
         self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample)] = (chunk, groups)
-
-    def _lost(self, chunk: _Chunk) -> None:
-        self.pool.restarts += 1
-        self.pool.needs_weights.add(chunk.replica)
-        self.requeue.extendleft(reversed(chunk.indices))
 
     def _on_scored(self, ref) -> None:
         chunk, groups = self.reward_refs.pop(ref)
@@ -334,103 +389,37 @@ class AsyncTrainer(Trainer):
                 )
             )
 
-    # ---------------------------------------------------------------- weight sync
-
-    def _start_sync(self, version: int) -> None:
-        """Queue `receive_weights(version)` behind each replica's chunk and start the send."""
-        self.sync_version, self.sync_started = version, time.perf_counter()
-        receives = [g.receive_weights.remote(version) for g in self.generators]
-        sends = self.learners.submit_foreach_learner(_send_weights, version)
-        self.sync_refs = receives + sends
-        self.replica_version = [version] * len(self.generators)
-
-    def _finish_sync(self) -> None:
-        """Wait for the broadcast in flight. A failure marks every replica for a full resync,
-        which `_full_resync` does once the learner is idle (its weights are then exactly
-        `policy_version`)."""
-        if not self.sync_refs:
-            return
-        refs, self.sync_refs = self.sync_refs, []
-        n = len(self.generators)
-        problems = []
-        for replica, ref in enumerate(refs[:n]):
-            try:
-                self._wait([ref], f"generator {replica} to load weights v{self.sync_version}")
-            except RayError as exc:
-                problems.append(f"generator {replica}: {type(exc).__name__}: {exc}")
-        sent = self.learners.collect(refs[n:], "weight send")[0]
-        if "error" in sent:
-            problems.append(f"learner: {sent['error']}")
-        if problems:
-            log.warning(
-                "weight sync v%d failed (%s); every replica will be resynced",
-                self.sync_version,
-                "; ".join(p[:300] for p in problems),
-            )
-            self.pool.needs_weights.update(range(n))
-            return
-        self.last_sync = {
-            "sync/seconds": time.perf_counter() - self.sync_started,
-            "sync/bytes": sent["num_bytes"],
-        }
-        self.pool.policy_version = self.sync_version
-
-    def _full_resync(self) -> None:
-        """Rebuild the sync group and load `policy_version` everywhere (learner idle)."""
-        self._finish_sync()
-        self._drain_generation()
-        log.warning("resyncing generator replicas %s", sorted(self.pool.needs_weights))
-        self._await_generators()
-        self._build_sync_group()
-        self.last_sync = self.sync_weights()
-        self.pool.needs_weights.clear()
-        self.replica_version = [self.policy_version] * len(self.generators)
-
-    def _drain_generation(self) -> None:
-        """Let every chunk in flight finish (results are kept), so collectives can start."""
-        while self.gen_refs:
-            ref = next(iter(self.gen_refs))
-            ray.wait([ref], timeout=None)
-            self._on_generated(ref)
+    def _resync(self) -> None:
+        """Bring every replica to `policy_version` (learner idle): finish what is generating
+        (results are kept), then rebuild the sync group and load the weights."""
+        self.coordinator.finish()
+        for finished in self.pool.drain():
+            self._handle_finished(finished)
+        self.coordinator.resync(self.policy_version)
 
     # ------------------------------------------------------------- run boundaries
 
     def finish_rollouts(self) -> None:
         """Generation and scoring in flight land in the buffer; the last sync completes."""
-        while self.gen_refs or self.reward_refs:
-            refs = list(self.gen_refs) + list(self.reward_refs)
+        while self.pool.in_flight() or self.reward_refs:
+            refs = self.pool.in_flight() + list(self.reward_refs)
             done, _ = ray.wait(refs, num_returns=1)
-            if done[0] in self.gen_refs:
+            if self.pool.owns(done[0]):
                 self._on_generated(done[0])
             else:
                 self._on_scored(done[0])
-        self._finish_sync()
+        self.coordinator.finish()
 
-    def evaluate(self, label: str) -> dict:
-        if self.gen_refs or self.reward_refs or self.sync_refs:
-            self.finish_rollouts()
-        return super().evaluate(label)
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        """Blocking generation over every replica (for evaluation), after what is in flight
+        has landed; a replica that needs weights is resynced first."""
+        self.finish_rollouts()
+        return self.pool.generate(prompts, sampling, resync=self._resync)
 
-    def extra_state(self) -> dict:
-        """Prompts started but not yet buffered go first after a resume."""
-        pending = [i for c in self.gen_refs.values() for i in c.indices]
-        pending += [i for c, _ in self.reward_refs.values() for i in c.indices]
-        return {"requeue": list(self.requeue) + pending, "next_group_id": self.next_group_id}
-
-    def restore_extra_state(self, state: dict) -> None:
-        self.requeue = deque(state.get("requeue", []))
-        self.next_group_id = state.get(
-            "next_group_id", self.step * self.config.rollout.prompts_per_step
-        )
-
-
-def _pending(refs: list) -> list:
-    """The refs of `refs` that are not finished yet."""
-    if not refs:
-        return []
-    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
-    return pending
-
-
-def _all_done(refs: list) -> bool:
-    return not _pending(refs)
+    @staticmethod
+    def _pending(refs: list) -> list:
+        """The refs of `refs` that are not finished yet."""
+        if not refs:
+            return []
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+        return pending

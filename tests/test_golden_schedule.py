@@ -1,0 +1,99 @@
+"""The schedule's per-step numbers did not move when the two trainers became one scheduler.
+
+`tests/golden/schedule_metrics.json` was recorded (`python tests/golden/record.py`) by the code
+before the refactor (commit ebb9699): 10 steps of the embedded default, synchronously and through the
+asynchronous path with staleness bound 0. The same configs run here through today's
+`Scheduler` (both are bound 0 now) and must give the same per-step metrics, bit for bit:
+reward, accuracy, lengths, entropy, loss, gradient norm, covariance and kernel-weight
+statistics, and the same held-out evaluations.
+
+Bit equality needs the same floating-point kernels and the same starting policy: the golden
+file names the CPU, the torch build and the policy's sha256. On another machine (whose own
+policy build differs) the comparison would say nothing, and the test is skipped saying why.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "golden"))
+from golden_runner import run_one  # noqa: E402
+from record import RUNS, machine, record  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+GOLDEN = HERE / "golden" / "schedule_metrics.json"
+# Keys that measure time or depend on it; everything else must be equal. data/cursor counts
+# the prompts handed to generators when the step was logged: the old sync trainer had not
+# started the next step's prompts yet, its async trainer (and the one scheduler) had.
+TIMED = ("time/", "throughput/", "sync/", "generators/idle_fraction", "learner/time/")
+SCHEDULE = ("data/cursor",)
+REQUIRED = (
+    "reward/mean",
+    "accuracy/train",
+    "response/length_mean",
+    "entropy/mean",
+    "policy/loss",
+    "loss/total",
+    "learner/grad_norm",
+    "cov/std",
+    "cov/pos_1pct",
+    "cagrpo/weight_min",
+    "cagrpo/weight_mean",
+    "logprob/mismatch_mean",
+)
+
+
+def deterministic(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(TIMED) and k not in SCHEDULE}
+
+
+@pytest.fixture(scope="module")
+def golden():
+    recorded = json.loads(GOLDEN.read_text())
+    here = machine()
+    if here != recorded["machine"]:
+        pytest.skip(
+            f"the golden metrics were recorded on {recorded['machine']}; this is {here}: "
+            "bit equality is only defined on the same CPU, torch build and starting policy"
+        )
+    return recorded
+
+
+@pytest.fixture(scope="module")
+def rerun(golden, tmp_path_factory):
+    ray.init(num_cpus=3, include_dashboard=False)
+    try:
+        return record(tmp_path_factory.mktemp("golden"), run_one)
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_per_step_metrics_are_bit_for_bit_the_golden_ones(golden, rerun, name):
+    want, got = golden["runs"][name], rerun["runs"][name]
+    assert [r["step"] for r in got["steps"]] == [r["step"] for r in want["steps"]]
+    for old, new in zip(want["steps"], got["steps"], strict=True):
+        old, new = deterministic(old), deterministic(new)
+        for key in REQUIRED:
+            assert key in old and key in new, key
+        shared = sorted(set(old) & set(new))
+        differing = {k: (old[k], new[k]) for k in shared if old[k] != new[k]}
+        assert not differing, f"step {old['step']}: {differing}"
+    for phase in ("eval_before", "eval_after"):
+        assert got[phase] == want[phase], phase
+
+
+def test_the_two_recorded_schedules_agree(golden):
+    """Recorded by the old code: its sync trainer and its async trainer with bound 0 trained
+    on the same batches, which is what made one scheduler possible."""
+    sync, bound0 = golden["runs"]["sync"]["steps"], golden["runs"]["bound0"]["steps"]
+    for a, b in zip(sync, bound0, strict=True):
+        for key in REQUIRED:
+            assert a[key] == b[key], (a["step"], key)

@@ -1,0 +1,252 @@
+"""End to end on the CPU: the warm-started small policy, 2 vLLM generators, 2 DeepSpeed ranks,
+real Ray, under the one scheduler with staleness bound 0 (synchronous) and 1 (asynchronous).
+
+For each bound, one uninterrupted run of N steps is the reference. It must raise held-out
+accuracy by a margin that a paired test over the held-out prompts justifies, never train a
+sample staler than the bound nor a prompt twice, and leave the policy as a Hugging Face
+directory that the evaluation CLI loads. A second run resumes from the reference's checkpoint
+at step N/2 and has a generator replica killed mid-run: the replacement must serve the current
+policy version at the end; with bound 0 the resumed run must reproduce the reference's
+per-step metrics, with bound 1 (timing-dependent) its invariants must hold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from transformers import AutoModelForCausalLM
+
+from cagrpo_ray.config import load_config
+from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.policies.build import resolve_policy
+from cagrpo_ray.scheduler import admissible_groups
+from cagrpo_ray.trainer import Trainer
+
+STEPS = 30
+PROMPTS = 16
+# Metrics that depend only on the data, the seeds and the weights (not on timing).
+DETERMINISTIC = [
+    "reward/mean",
+    "accuracy/train",
+    "response/length_mean",
+    "entropy/mean",
+    "policy/loss",
+    "learner/grad_norm",
+    "cov/std",
+    "cagrpo/weight_min",
+    "data/cursor",
+]
+CONFIGS = {0: "configs/cpu-tiny.yaml", 1: "configs/async.yaml"}
+
+
+def overrides(tmp_path, name, staleness):
+    return [
+        "model.path=chain_sum",  # the built-in preset: built once, then taken from the cache
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        f"run.steps={STEPS}",
+        f"run.max_staleness={staleness}",
+        f"run.checkpoint_every={STEPS // 2}",
+        "run.keep_checkpoints=4",
+        f"rollout.prompts_per_step={PROMPTS}",
+        "rollout.group_size=8",
+        "data.eval_size=200",
+        "eval.samples=4",
+        "metrics.port=0",
+        "sync.timeout_s=20",
+    ]
+
+
+class RecordingTrainer(Trainer):
+    """A Trainer that records which prompts each learner step trained on, and the pool's state
+    when the run ends (before its actors are stopped)."""
+
+    def __init__(self, config, resume=False, kill_replica_at: int | None = None):
+        super().__init__(config, resume)
+        self.trained_prompts: list[str] = []
+        self.at_close: dict = {}
+        self.killed_at: int | None = None
+        self._kill_at = kill_replica_at
+
+    def setup(self):
+        super().setup()
+        buffer, group_size = self.scheduler.buffer, self.config.rollout.group_size
+        take = buffer.take
+
+        def recording_take(*args, **kwargs):
+            table = take(*args, **kwargs)
+            if table is not None:
+                self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
+            return table
+
+        buffer.take = recording_take
+        if self._kill_at is not None:
+            threading.Thread(target=self._kill_one_generator, daemon=True).start()
+
+    def _kill_one_generator(self):
+        while self.step < self._kill_at:
+            time.sleep(0.05)
+        self.killed_at = self.step
+        ray.kill(self.pool.actors[1], no_restart=False)
+
+    def close(self):
+        if self.pool is not None and self.scheduler is not None:
+            self.at_close["restarts"] = self.pool.restarts
+            self.pool.await_ready()
+            self.at_close["versions"] = ray.get(
+                [g.policy_version.remote() for g in self.pool.actors]
+            )
+        super().close()
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=3, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["bound0", "bound1"])
+def reference_run(request, local_ray, tmp_path_factory):
+    staleness = request.param
+    tmp_path = tmp_path_factory.mktemp(f"train{staleness}")
+    config = load_config(CONFIGS[staleness], overrides(tmp_path, "reference", staleness))
+    trainer = RecordingTrainer(config)
+    summary = trainer.run()
+    return staleness, tmp_path, summary, trainer
+
+
+def records_of(tmp_path, name):
+    return {r["step"]: r for r in read_metrics(tmp_path / name / "metrics.jsonl")}
+
+
+@pytest.mark.integration
+def test_training_raises_heldout_accuracy_within_the_bound(reference_run):
+    staleness, tmp_path, summary, trainer = reference_run
+    before = summary["eval_before"]["per_prompt"]
+    after = summary["eval_after"]["per_prompt"]
+    assert [p["uid"] for p in before] == [p["uid"] for p in after]
+    samples = summary["eval_before"]["samples"]
+    # Paired over the same 200 held-out prompts: d_i = accuracy after - before on prompt i.
+    d = np.array(
+        [
+            (a["num_correct"] - b["num_correct"]) / samples
+            for a, b in zip(after, before, strict=True)
+        ]
+    )
+    se = d.std(ddof=1) / math.sqrt(len(d))
+    # One-sided 99% bound: the gain is real if its mean exceeds 2.33 standard errors.
+    assert d.mean() > 2.33 * se, (
+        f"held-out pass@1 {summary['eval_before']['pass@1']:.3f} -> "
+        f"{summary['eval_after']['pass@1']:.3f}; paired gain {d.mean():.3f} +- {se:.3f}"
+    )
+    records = records_of(tmp_path, "reference")
+    assert sorted(records) == list(range(1, STEPS + 1))
+    assert all(r["staleness/max"] <= staleness for r in records.values())
+    assert all(0.0 <= r["generators/idle_fraction"] <= 1.0 for r in records.values())
+    # every prompt trained exactly once, the first STEPS * PROMPTS of the source
+    assert len(trainer.trained_prompts) == STEPS * PROMPTS
+    assert len(set(trainer.trained_prompts)) == STEPS * PROMPTS
+    if staleness == 0:
+        assert all(r["staleness/mean"] == 0 for r in records.values())
+        source = trainer.train_source
+        assert trainer.trained_prompts == [source[i].uid for i in range(STEPS * PROMPTS)]
+    else:
+        # generation overlapped training: most batches were sampled one version back
+        assert sum(r["staleness/mean"] > 0 for r in records.values()) >= STEPS // 2
+        assert all(r["tis/weight_mean"] > 0 for r in records.values())  # async.yaml's IS cap
+    assert (tmp_path / "reference" / "plots" / "entropy.png").exists()
+
+
+@pytest.mark.integration
+def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
+    _, tmp_path, summary, _ = reference_run
+    policy = tmp_path / "reference" / "policy"
+    assert summary["policy_dir"] == str(policy)
+    trained = AutoModelForCausalLM.from_pretrained(policy)
+    start = AutoModelForCausalLM.from_pretrained(resolve_policy("chain_sum"))
+    changed = [
+        name
+        for name, value in trained.state_dict().items()
+        if not torch.equal(value, start.state_dict()[name])
+    ]
+    assert changed, "the exported policy equals the starting one"
+    # the checkpoint at step N carries the same weights
+    at_checkpoint = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "reference" / "checkpoints" / f"step_{STEPS:06d}" / "policy"
+    )
+    for name, value in trained.state_dict().items():
+        assert torch.equal(value, at_checkpoint.state_dict()[name]), name
+    out = tmp_path / "eval.json"
+    source = "reasoning_gym:chain_sum?seed=99000&size=16&min_terms=2&max_terms=4&max_digits=1"
+    subprocess.run(
+        [sys.executable, "-m", "cagrpo_ray.eval", "--model", str(policy), "--data", source,
+         "--samples", "2", "--engine", "hf", "--out", str(out)],
+        check=True, timeout=600,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["metrics"]["num_prompts"] == 16
+    assert 0.0 <= result["metrics"]["pass@1"] <= 1.0
+
+
+@pytest.mark.integration
+def test_resume_with_a_killed_generator(reference_run):
+    staleness, tmp_path, _, reference_trainer = reference_run
+    halfway = f"step_{STEPS // 2:06d}"
+    resumed_dir = tmp_path / "resumed"
+    shutil.copytree(
+        tmp_path / "reference" / "checkpoints" / halfway, resumed_dir / "checkpoints" / halfway
+    )
+    (resumed_dir / "checkpoints" / "latest").write_text(halfway)
+    reference_lines = read_metrics(tmp_path / "reference" / "metrics.jsonl")
+    (resumed_dir / "metrics.jsonl").write_text(
+        (tmp_path / "reference" / "metrics.jsonl").read_text()
+    )
+
+    config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness))
+    trainer = RecordingTrainer(config, resume=True, kill_replica_at=STEPS // 2 + 2)
+    summary = trainer.run()
+
+    assert summary["final_step"] == STEPS
+    assert trainer.killed_at is not None and trainer.at_close["restarts"] >= 1
+    assert trainer.at_close["versions"] == [STEPS, STEPS]  # the replacement serves the policy
+    resumed = records_of(tmp_path, "resumed")
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert all(r["staleness/max"] <= staleness for r in resumed.values())
+    # no prompt trained twice, across the checkpoint either
+    first_half = reference_trainer.trained_prompts[: STEPS // 2 * PROMPTS]
+    assert len(set(trainer.trained_prompts)) == len(trainer.trained_prompts)
+    assert not set(first_half) & set(trainer.trained_prompts)
+    if staleness == 0:
+        reference = {r["step"]: r for r in reference_lines}
+        for step in range(STEPS // 2 + 1, STEPS + 1):
+            for key in DETERMINISTIC:
+                assert resumed[step][key] == pytest.approx(
+                    reference[step][key], rel=1e-4, abs=1e-6
+                ), f"step {step} {key}: resumed {resumed[step][key]} vs {reference[step][key]}"
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "gen, train, outstanding, staleness, want",
+    [
+        (0, 0, 0, 0, 16),  # sync: one batch may be generated at the learner's version
+        (0, 0, 16, 0, 0),  # ... and no more until it has been trained
+        (0, 1, 0, 0, 0),  # learner training v0 -> v1: data from v0 would be stale
+        (0, 1, 0, 1, 16),  # one version of lag allowed: the next batch may be generated
+        (0, 1, 10, 1, 6),
+        (3, 1, 0, 2, 80),  # replicas ahead of the learner (never happens) may run further
+    ],
+)
+def test_admission_rule(gen, train, outstanding, staleness, want):
+    assert admissible_groups(gen, train, outstanding, 16, staleness) == want
