@@ -10,7 +10,7 @@ EXTRAS ?= cpu,dev
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup bench-setup test test-unit train lint clean
+.PHONY: setup services bench-setup test test-unit train lint clean
 
 setup: $(STAMP)
 
@@ -33,7 +33,20 @@ $(VENV)/.bench-installed: $(STAMP)
 	$(PIP) install -c $(VENV)/.bench-constraints.txt -e '.[bench]'
 	touch $@
 
-test: setup
+# The services that integration tests start for real: Debian's Prometheus (server and
+# promtool). Installed here when missing and this user may (root with apt-get); otherwise the
+# command to run is printed, and those tests say they were skipped for it (CI=1 fails them).
+services:
+	@if ! command -v promtool >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's prometheus (promtool) for the Prometheus tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
+	  else \
+	    echo "promtool is missing: run 'sudo apt-get install -y prometheus' for the Prometheus tests"; \
+	  fi; \
+	fi
+
+test: setup services
 	$(PY) -m pytest tests -m unit -q
 	$(PY) -m pytest tests -m "not unit" -q
 

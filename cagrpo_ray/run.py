@@ -8,7 +8,6 @@ checkpoint and exits cleanly; `--resume` continues from the latest checkpoint of
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -40,7 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     import ray
 
-    from cagrpo_ray.trainer import make_trainer, required_cpus
+    from cagrpo_ray.data.files import PromptFileError
+    from cagrpo_ray.policies.build import PolicyPathError
+    from cagrpo_ray.trainer import Trainer, required_cpus
 
     address = os.environ.get("RAY_ADDRESS")
     if address:
@@ -51,9 +52,54 @@ def main(argv: list[str] | None = None) -> int:
             os.cpu_count() or 1, math.ceil(required_cpus(config))
         )
         ray.init(num_cpus=num_cpus, include_dashboard=False)
-    summary = make_trainer(config, resume=args.resume).run()
-    print(json.dumps(summary, indent=2, default=str))
+    try:
+        summary = Trainer(config, resume=args.resume).run()
+    except (PromptFileError, PolicyPathError) as exc:
+        # bad input found once the run looks at it: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(final_report(summary))
     return 0
+
+
+REPORT_ROWS = (  # (label, key in the eval results, format)
+    ("pass@1", "pass@1", "{:.3f}"),
+    ("pass@k", None, "{:.3f}"),  # the largest k evaluated
+    ("maj@k", None, "{:.3f}"),
+    ("mean response tokens", "mean_response_tokens", "{:.1f}"),
+    ("sampled-token entropy (nats)", "mean_sampled_token_nll", "{:.3f}"),
+)
+
+
+def final_report(summary: dict) -> str:
+    """A short before/after table of the held-out evaluation and where the outputs are."""
+    before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+    k = (after or before).get("samples", 1)
+    lines = [f"{'held-out':<30}{'before':>10}{'after':>10}"]
+    for label, key, fmt in REPORT_ROWS:
+        if key is None:
+            key = f"{label[:-1]}{k}"
+            label = key
+        cells = [fmt.format(e[key]) if key in e else "-" for e in (before, after)]
+        lines.append(f"{label:<30}{cells[0]:>10}{cells[1]:>10}")
+    step_s = (summary.get("time/step") or {}).get("mean")
+    if step_s is not None:
+        lines.append(f"{'seconds per step (mean)':<30}{'':>10}{step_s:>10.2f}")
+    run_dir = summary.get("run_dir", "")
+    lines += [
+        "",
+        f"steps trained: {summary.get('final_step')}"
+        + (f" (stopped by signal at {summary['stopped_at']})" if "stopped_at" in summary else ""),
+        f"metrics:  {run_dir}/metrics.jsonl",
+        f"plots:    {run_dir}/plots/",
+        f"summary:  {run_dir}/summary.json",
+    ]
+    if summary.get("policy_dir"):
+        lines.append(
+            f"policy:   {summary['policy_dir']}  "
+            f"(python -m cagrpo_ray.eval --model {summary['policy_dir']} ...)"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

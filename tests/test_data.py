@@ -13,6 +13,7 @@ from cagrpo_ray.data import (
     R1_INSTRUCTION,
     BadRowError,
     FilePromptSource,
+    PromptFileError,
     PromptItem,
     PromptSource,
     ReasoningGymSource,
@@ -191,7 +192,7 @@ def test_file_source_names_what_is_missing(tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"text": "hi", "answer": "1"}])
     with pytest.raises(ValueError, match=r"none of the question columns.*\['answer', 'text'\]"):
         FilePromptSource(path)
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(PromptFileError, match="nope.jsonl"):
         FilePromptSource(tmp_path / "nope.jsonl")
     with pytest.raises(ValueError, match="not .parquet or .jsonl"):
         FilePromptSource(write_jsonl(tmp_path / "q.csv", []))

@@ -22,7 +22,11 @@ log = logging.getLogger(__name__)
 QUESTION_COLUMNS = ("problem", "prompt", "question")
 
 
-class BadRowError(ValueError):
+class PromptFileError(ValueError):
+    """A prompt file that cannot be read as prompts; the message names the file."""
+
+
+class BadRowError(PromptFileError):
     """A row that cannot become a prompt; the message names the file and the row."""
 
 
@@ -90,7 +94,7 @@ class FilePromptSource(IndexedSource):
     def _read_rows(self) -> Iterator[tuple[int, str, dict[str, Any] | BadRow]]:
         """(row index, location, row) for each row; an unreadable row comes as a `BadRow`."""
         if not self.path.is_file():
-            raise FileNotFoundError(f"prompt file {self.path} does not exist")
+            raise PromptFileError(f"prompt file {self.path} does not exist")
         suffix = self.path.suffix.lower()
         if suffix == ".parquet":
             for index, row in enumerate(pq.read_table(self.path).to_pylist()):
@@ -116,14 +120,14 @@ class FilePromptSource(IndexedSource):
                         continue
                     yield index, location, row
         else:
-            raise ValueError(f"prompt file {self.path} is not .parquet or .jsonl")
+            raise PromptFileError(f"prompt file {self.path} is not .parquet or .jsonl")
 
     def _detect_question_column(self, rows) -> str:
         columns = set().union(*(row.keys() for _, _, row in rows if isinstance(row, dict)))
         for name in QUESTION_COLUMNS:
             if name in columns:
                 return name
-        raise ValueError(
+        raise PromptFileError(
             f"{self.path} has none of the question columns {QUESTION_COLUMNS}; its columns are "
             f"{sorted(columns)}; pass question_column"
         )

@@ -17,6 +17,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -247,7 +248,28 @@ def resolve_policy(name_or_dir: str | Path) -> str:
         return str(name_or_dir)
     if str(name_or_dir) in PRESETS:
         return str(ensure_policy(PRESETS[str(name_or_dir)]))
+    check_hub_id(str(name_or_dir))
     return str(name_or_dir)
+
+
+class PolicyPathError(ValueError):
+    """model.path names neither a folder, nor a preset, nor a Hugging Face hub id."""
+
+
+def check_hub_id(name: str) -> None:
+    """Raise `PolicyPathError` unless `name` has the form of a hub id ("org/name" or "name").
+
+    A path that looks like a file system path (absolute, ./, ../, ~, or more than one "/")
+    but is not a folder here is a typo or a missing mount, not something to download.
+    """
+    looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+    valid = bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and ".." not in name
+    if looks_like_path or not valid:
+        presets = ", ".join(PRESETS)
+        raise PolicyPathError(
+            f"model path {name!r} is not a folder here, nor a built-in preset ({presets}), nor "
+            "a Hugging Face hub id such as 'Qwen/Qwen2.5-Math-1.5B'"
+        )
 
 
 def load_policy(name_or_dir: str | Path, dtype: torch.dtype | None = None, **model_kwargs):

@@ -6,10 +6,10 @@ import math
 from collections.abc import Callable
 
 import torch
-from tqdm.auto import tqdm
 
 from cagrpo_ray.data.prompts import format_prompt
 from cagrpo_ray.data.types import PromptItem
+from cagrpo_ray.progress import Progress
 
 IGNORE = -100  # label of tokens that carry no loss (prompt, padding)
 
@@ -108,8 +108,8 @@ def train_sft(
     )
     model.train()
     losses = []
-    bar = tqdm(range(steps), desc="warm start", unit="step", disable=not progress)
-    for step in bar:
+    bar = Progress(steps, "warm start", enabled=progress)
+    for step in range(steps):
         chunk = examples[step * batch_size : (step + 1) * batch_size]
         loss = response_loss(model, collate(chunk, pad_token_id), shared_prefix_length(chunk))
         optimizer.zero_grad(set_to_none=True)
@@ -118,10 +118,9 @@ def train_sft(
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.update(loss=f"{losses[-1]:.3f}")
         if should_stop is not None and should_stop(step):
             break
-    bar.close()
+    bar.close(loss=f"{losses[-1]:.3f}")
     model.eval()
     return losses

@@ -1,0 +1,72 @@
+"""`python -m cagrpo_ray.run` with bad input: one clear line and exit status 2, no traceback,
+nothing started that outlives the error; and the short report a finished run prints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from cagrpo_ray.policies.model import random_policy
+from cagrpo_ray.run import final_report
+
+TINY = dict(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
+
+
+def run_cli(*overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]
+    for item in ("metrics.enabled=false", "run.ray_num_cpus=3", *overrides):
+        command += ["--set", item]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.integration
+def test_a_malformed_data_row_is_one_line_naming_file_and_row(tmp_path):
+    policy = random_policy(tmp_path / "policy", seed=0, **TINY)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"problem": "1+1=", "answer": "2"}\n{"problem": "2+2=", "answer": 4}\n')
+    result = run_cli(
+        f"model.path={policy}",
+        "data.source=file",
+        f"data.path={data}",
+        f"data.eval_path={data}",
+        "data.on_bad_row=error",
+        f"run.output_dir={tmp_path / 'runs'}",
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last == f"error: {data}, line 2: answer 'answer' is int, not str"
+
+
+@pytest.mark.integration
+def test_a_model_path_that_is_nothing_is_one_line(tmp_path):
+    result = run_cli("model.path=/no/such/model", f"run.output_dir={tmp_path}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: model path '/no/such/model' is not a folder here")
+
+
+@pytest.mark.unit
+def test_the_final_report_is_a_short_table_with_the_paths():
+    summary = {
+        "eval_before": {"samples": 4, "pass@1": 0.25, "pass@4": 0.5, "maj@4": 0.3,
+                        "mean_response_tokens": 20.0, "mean_sampled_token_nll": 0.1,
+                        "per_prompt": [{"uid": str(i)} for i in range(200)]},
+        "eval_after": {"samples": 4, "pass@1": 0.35, "pass@4": 0.6, "maj@4": 0.4,
+                       "mean_response_tokens": 18.0, "mean_sampled_token_nll": 0.08},
+        "time/step": {"mean": 2.2},
+        "final_step": 40,
+        "run_dir": "runs/cpu-tiny",
+        "policy_dir": "runs/cpu-tiny/policy",
+    }  # fmt: skip
+    report = final_report(summary)
+    lines = report.splitlines()
+    assert len(lines) < 20  # not 200 per-prompt entries
+    assert "pass@1" in lines[1] and "0.250" in lines[1] and "0.350" in lines[1]
+    assert any(line.startswith("pass@4") and "0.600" in line for line in lines)
+    assert any(line.startswith("maj@4") for line in lines)
+    assert "2.20" in report and "runs/cpu-tiny/plots/" in report
+    assert "python -m cagrpo_ray.eval --model runs/cpu-tiny/policy" in report
