@@ -19,7 +19,6 @@ Set CAGRPO_CPU_LOCK to a file to take it (flock) around each run on a shared mac
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import os
@@ -30,8 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout_engine import machine  # noqa: E402
+from cagrpo_ray.metrics.provenance import markdown_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = {
@@ -102,32 +100,7 @@ def main() -> None:
             run_dir = run(mode, seed, args.steps, work, args.overrides)
             results[mode, seed] = measure(run_dir, args.warmup)
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    sets = "".join(f" --set {o}" for o in args.overrides)
-    title = args.title or f"Sync vs async training, {args.steps} learner steps per run"
-    lines = [
-        f"## {title}",
-        "",
-        f"{datetime.date.today()}, {machine()}; commit {commit}",
-        "",
-        f"Command: `.venv/bin/python benchmarks/bench_async.py --steps {args.steps} "
-        f"--seeds {' '.join(map(str, args.seeds))} --warmup {args.warmup}{sets}`",
-        "",
-        "| seed | mode | s/step | train s | generator idle | staleness mean (max) | dropped | "
-        "held-out pass@1 before -> after |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for (mode, seed), r in results.items():
-        lines.append(
-            f"| {seed} | {mode} | {r['step_s']:.2f} | {r['train_s']:.2f} | {r['idle']:.2f} | "
-            f"{r['staleness']:.2f} ({r['staleness_max']}) | {r['dropped']} | "
-            f"{r['before']:.3f} -> {r['after']:.3f} |"
-        )
-    lines += ["", "| seed | sync s/step / async s/step | async - sync pass@1 (paired, +- 1 SE) |"]
-    lines.append("|---|---|---|")
-    ratios, diffs = [], []
+    paired, ratios, diffs = [], [], []
     for seed in args.seeds:
         s, a = results["sync", seed], results["async", seed]
         ratio = s["step_s"] / a["step_s"]
@@ -135,16 +108,49 @@ def main() -> None:
         se = d.std(ddof=1) / math.sqrt(len(d))
         ratios.append(ratio)
         diffs.append(d)
-        lines.append(f"| {seed} | {ratio:.2f}x | {d.mean():+.3f} +- {se:.3f} |")
+        paired.append([seed, f"{ratio:.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
     d = np.concatenate(diffs)
     se = d.std(ddof=1) / math.sqrt(len(d))
-    lines.append(f"| all | {np.mean(ratios):.2f}x | {d.mean():+.3f} +- {se:.3f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        if args.append and args.out.exists():
-            text = args.out.read_text() + "\n" + text
-        args.out.write_text(text)
+    paired.append(["all", f"{np.mean(ratios):.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
+
+    if args.out and not args.append:
+        args.out.write_text("")  # without --append the section replaces the file
+    sets = "".join(f" --set {o}" for o in args.overrides)
+    report(
+        args.title or f"Sync vs async training, {args.steps} learner steps per run",
+        [
+            "seed",
+            "mode",
+            "s/step",
+            "train s",
+            "generator idle",
+            "staleness mean (max)",
+            "dropped",
+            "held-out pass@1 before -> after",
+        ],
+        [
+            [
+                seed,
+                mode,
+                f"{r['step_s']:.2f}",
+                f"{r['train_s']:.2f}",
+                f"{r['idle']:.2f}",
+                f"{r['staleness']:.2f} ({r['staleness_max']})",
+                r["dropped"],
+                f"{r['before']:.3f} -> {r['after']:.3f}",
+            ]
+            for (mode, seed), r in results.items()
+        ],
+        out=args.out,
+        notes=[
+            markdown_table(
+                ["seed", "sync s/step / async s/step", "async - sync pass@1 (paired, +- 1 SE)"],
+                paired,
+            )
+        ],
+        command=f".venv/bin/python benchmarks/bench_async.py --steps {args.steps} "
+        f"--seeds {' '.join(map(str, args.seeds))} --warmup {args.warmup}{sets}",
+    )
 
 
 if __name__ == "__main__":

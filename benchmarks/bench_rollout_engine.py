@@ -13,17 +13,15 @@ same seed, so every call generates the same tokens.
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
 import random
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cagrpo_ray.metrics.provenance import report
 from cagrpo_ray.rollout.types import Completion, SamplingConfig
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
@@ -85,16 +83,6 @@ def measure_rollout(
     return Throughput(tokens, seconds)
 
 
-def machine() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")),
-        platform.processor(),
-    )
-    cores = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    return f"{cores} cores ({model}), python {platform.python_version()}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=None, help="HF model dir (default: tiny)")
@@ -129,23 +117,31 @@ def main() -> None:
         + (" --eager" if args.eager else "")
         + (f" --model {args.model}" if args.model else "")
     )
-    lines = [
-        f"### vLLM {mode}, {datetime.date.today().isoformat()}",
-        "",
-        f"Machine: {machine()}. Command: `{command}`.",
-        "",
-        "| model | prompts x n | tokens/call | median s | tokens/s (median) | tokens/s (best) "
-        "| engine start s |",
-        "|---|---|---|---|---|---|---|",
-        f"| {args.model or 'tiny random (1.8 M)'} | {args.prompts} x {args.n} | {result.tokens} "
-        f"| {statistics.median(result.seconds):.2f} | {result.tokens_per_s:.0f} "
-        f"| {result.best_tokens_per_s:.0f} | {startup:.0f} |",
-        "",
-    ]
-    print("\n".join(lines))
-    if args.out:
-        with args.out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    report(
+        f"vLLM {mode}",
+        [
+            "model",
+            "prompts x n",
+            "tokens/call",
+            "median s",
+            "tokens/s (median)",
+            "tokens/s (best)",
+            "engine start s",
+        ],
+        [
+            [
+                args.model or "tiny random (1.8 M)",
+                f"{args.prompts} x {args.n}",
+                result.tokens,
+                f"{statistics.median(result.seconds):.2f}",
+                f"{result.tokens_per_s:.0f}",
+                f"{result.best_tokens_per_s:.0f}",
+                f"{startup:.0f}",
+            ]
+        ],
+        out=args.out,
+        command=command,
+    )
 
 
 if __name__ == "__main__":

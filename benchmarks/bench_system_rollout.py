@@ -14,7 +14,6 @@ machine. Engines run one at a time so that they do not compete for the cores.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import tempfile
@@ -23,8 +22,9 @@ from pathlib import Path
 import ray
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout_engine import fixed_prompts, machine, measure_rollout  # noqa: E402
+from bench_rollout_engine import fixed_prompts, measure_rollout  # noqa: E402
 
+from cagrpo_ray.metrics.provenance import report  # noqa: E402
 from cagrpo_ray.rollout.types import SamplingConfig  # noqa: E402
 
 
@@ -85,26 +85,24 @@ def main() -> None:
             ray.kill(actor)
     ray.shutdown()
 
-    lines = [
-        f"### {datetime.date.today()}",
-        "",
-        f"Machine: {machine()}. Command: `.venv/bin/python benchmarks/bench_system_rollout.py "
-        f"--prompts {args.prompts} --n {args.n} --max-tokens {args.max_tokens} "
-        f"--chunk {args.chunk} --repeats {args.repeats}`.",
-        "",
-        "| path | tokens/call | median s | tokens/s (median) | raw / this |",
-        "|---|---|---|---|---|",
-    ]
-    for name, result, ratio in rows:
-        median = result.tokens / result.tokens_per_s
-        lines.append(
-            f"| {name} | {result.tokens} | {median:.2f} | {result.tokens_per_s:.0f} | {ratio:.2f} |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write("\n" + text)
+    report(
+        "Rollout through the system vs the raw engine",
+        ["path", "tokens/call", "median s", "tokens/s (median)", "raw / this"],
+        [
+            [
+                name,
+                result.tokens,
+                f"{result.tokens / result.tokens_per_s:.2f}",
+                f"{result.tokens_per_s:.0f}",
+                f"{ratio:.2f}",
+            ]
+            for name, result, ratio in rows
+        ],
+        out=args.out,
+        command=f".venv/bin/python benchmarks/bench_system_rollout.py --prompts {args.prompts} "
+        f"--n {args.n} --max-tokens {args.max_tokens} --chunk {args.chunk} "
+        f"--repeats {args.repeats}",
+    )
 
 
 if __name__ == "__main__":

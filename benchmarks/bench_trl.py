@@ -48,7 +48,6 @@ old log-probs perturbed so that both clip sides are active), TRL's own
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shlex
@@ -61,8 +60,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout_engine import machine  # noqa: E402
+from cagrpo_ray.metrics.provenance import markdown_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}
@@ -86,19 +84,6 @@ AGGREGATIONS = {
     "dr_grpo": "seq-mean-token-sum-norm",
     "dapo": "token-mean",
 }
-
-
-def ram_gib() -> float:
-    with open("/proc/meminfo") as f:
-        kib = int(next(line for line in f if line.startswith("MemTotal")).split()[1])
-    return kib / 2**20
-
-
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "cagrpo_ray", "configs"],
-                           cwd=ROOT, capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return out.stdout.decode().strip() + (" (cagrpo_ray/ or configs/ modified)" if dirty else "")
 
 
 def summarize(times: list[float], generated: list[float], trained: list[float]) -> dict:
@@ -410,73 +395,89 @@ def main() -> None:
 
     base = results["TRL GRPOTrainer"]
     order = ["TRL GRPOTrainer", "cagrpo_ray sync", "cagrpo_ray async"]
-    mem = ram_gib()
-    lines = [
-        f"### {datetime.date.today()}",
-        "",
-        f"Machine: {machine()}, {mem:.0f} GiB RAM; trl {trl.__version__}, torch "
-        f"{torch.__version__}. Commit {git_commit()}. Command: `flock /tmp/cagrpo-cpu.lock "
-        f".venv/bin/python benchmarks/bench_trl.py --warmup {args.warmup} --steps {args.steps}`"
-        f" ({time.time() - started:.0f} s in all).",
-        "",
-        f"{PROMPTS} prompts x {GROUP} samples per step, <= {MAX_TOKENS} completion tokens; "
-        f"{args.warmup} untimed steps, then the mean over {args.steps} timed steps.",
-        "",
-        "| trainer | s/step | generated tok/s | trained tok/s | TRL s/step / this | "
-        "gen tok/s vs TRL | trained tok/s vs TRL |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    rows = []
     for name in order:
-        r = results.get(name)
         if name not in results:
             continue
+        r = results[name]
         if r is None:
-            lines.append(f"| {name} | failed | | | | | |")
+            rows.append([name, "failed", "", "", "", "", ""])
             continue
-        lines.append(
-            f"| {name} | {r['s_per_step']:.2f} | {r['gen_tok_s']:.0f} | {r['train_tok_s']:.0f} "
-            f"| {base['s_per_step'] / r['s_per_step']:.2f} "
-            f"| {r['gen_tok_s'] / base['gen_tok_s']:.2f} "
-            f"| {r['train_tok_s'] / base['train_tok_s']:.2f} |"
+        rows.append(
+            [
+                name,
+                f"{r['s_per_step']:.2f}",
+                f"{r['gen_tok_s']:.0f}",
+                f"{r['train_tok_s']:.0f}",
+                f"{base['s_per_step'] / r['s_per_step']:.2f}",
+                f"{r['gen_tok_s'] / base['gen_tok_s']:.2f}",
+                f"{r['train_tok_s'] / base['train_tok_s']:.2f}",
+            ]
         )
+    notes = [
+        f"trl {trl.__version__}; {time.time() - started:.0f} s in all. {PROMPTS} prompts x "
+        f"{GROUP} samples per step, <= {MAX_TOKENS} completion tokens; {args.warmup} untimed "
+        f"steps, then the mean over {args.steps} timed steps."
+    ]
     reported = [
         f"{name}: {r['reported_gen_tok_s']:.0f} / {r['reported_train_tok_s']:.0f}"
         for name in order[1:]
         if (r := results.get(name))
     ]
     if reported:
-        lines += [
-            "",
+        notes.append(
             "The runs' own `throughput/generated_tokens_per_s` / `throughput/trained_tokens_per_s`"
             " (means over the timed steps; sync divides by the generation phase, async by the "
             "step, and trained counts prompt + completion tokens over the learner phase): "
             + "; ".join(reported)
-            + ".",
+            + "."
+        )
+    phases = [
+        f"- {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
+        for name in order
+        if (r := results.get(name))
+    ]
+    ours = [f"- {name}: `{commands[name]}`" for name in order[1:] if name in commands]
+    notes += [
+        "Per-step means of the phases (s) and of the runs' own diagnostics:",
+        "\n".join(phases),
+    ]
+    if ours:
+        notes += [
+            "Our runs (the benchmark adds `--set run.output_dir=<temporary dir>`):",
+            "\n".join(ours),
         ]
-    lines += ["", "Per-step means of the phases (s) and of the runs' own diagnostics:", ""]
-    for name in order:
-        if r := results.get(name):
-            shown = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items())
-            lines.append(f"- {name}: {shown}")
-    lines += ["", "Our runs (the benchmark adds `--set run.output_dir=<temporary dir>`):", ""]
-    for name in order[1:]:
-        if name in commands:
-            lines.append(f"- {name}: `{commands[name]}`")
-    lines += [
-        "",
+    notes += [
         f"GRPO loss, TRL `GRPOTrainer._compute_loss` vs `policy_loss('grpo', ...)` on the same "
         f"16 x {MAX_TOKENS} inputs, clip ({EPS_LOW}, {EPS_HIGH}):",
-        "",
-        "| TRL loss_type | our loss_agg | TRL loss | max abs diff | max grad diff / max grad |",
-        "|---|---|---|---|---|",
+        markdown_table(
+            [
+                "TRL loss_type",
+                "our loss_agg",
+                "TRL loss",
+                "max abs diff",
+                "max grad diff / max grad",
+            ],
+            [[t, agg, f"{v:.6f}", f"{d:.2e}", f"{g:.2e}"] for t, agg, v, d, g in losses],
+        ),
     ]
-    for loss_type, agg, value, diff, grad in losses:
-        lines.append(f"| {loss_type} | {agg} | {value:.6f} | {diff:.2e} | {grad:.2e} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with args.out.open("a") as f:
-            f.write("\n" + text)
+    report(
+        "cagrpo_ray vs TRL GRPOTrainer",
+        [
+            "trainer",
+            "s/step",
+            "generated tok/s",
+            "trained tok/s",
+            "TRL s/step / this",
+            "gen tok/s vs TRL",
+            "trained tok/s vs TRL",
+        ],
+        rows,
+        out=args.out,
+        notes=notes,
+        command="flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_trl.py "
+        f"--warmup {args.warmup} --steps {args.steps}",
+    )
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ one least disturbed; the medians are printed beside them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -34,12 +32,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_rollout_engine import machine as host_machine  # noqa: E402
-
-from cagrpo_ray.policies.model import PolicySize, new_policy, random_policy  # noqa: E402
-from cagrpo_ray.sync import WeightSender  # noqa: E402
-from cagrpo_ray.sync.group import join_group, open_store, start_broadcast, wait  # noqa: E402
+from cagrpo_ray.metrics.provenance import report
+from cagrpo_ray.policies.model import PolicySize, new_policy, random_policy
+from cagrpo_ray.sync import WeightSender
+from cagrpo_ray.sync.group import join_group, open_store, start_broadcast, wait
 
 SIZES = {  # PolicySize overrides; parameter counts in the table
     "tiny": {},
@@ -157,10 +153,6 @@ def sync_seconds(target, model_dir, learner, generators, repeats, bucket_mb, tim
     return times[1:], memcpy_times[1:]
 
 
-def machine() -> str:
-    return f"{host_machine()}, torch {torch.__version__}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,10m,50m")
@@ -211,23 +203,16 @@ def main() -> None:
             rows.append(row)
             print(" | ".join(row), flush=True)
 
-    lines = [
-        f"### {args.generators} generator(s), {datetime.date.today().isoformat()}",
-        "",
-        f"Machine: {machine()}. Command: `.venv/bin/python benchmarks/bench_weight_sync.py "
-        f"--sizes {args.sizes} --targets {args.targets} --generators {args.generators} "
-        f"--repeats {args.repeats} --bucket-mb {args.bucket_mb:g}`. "
-        f"Best of {args.repeats} after a warm-up, in milliseconds.",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
-    ]
-    print("\n".join(lines))
-    if args.out:
-        with args.out.open("a") as f:
-            f.write("\n".join(lines) + "\n")
+    report(
+        f"{args.generators} generator(s)",
+        header,
+        rows,
+        out=args.out,
+        notes=[f"Best of {args.repeats} after a warm-up, in milliseconds."],
+        command=f".venv/bin/python benchmarks/bench_weight_sync.py --sizes {args.sizes} "
+        f"--targets {args.targets} --generators {args.generators} --repeats {args.repeats} "
+        f"--bucket-mb {args.bucket_mb:g}",
+    )
 
 
 if __name__ == "__main__":
