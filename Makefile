@@ -34,8 +34,9 @@ $(VENV)/.bench-installed: $(STAMP)
 	touch $@
 
 # The services that integration tests start for real: Debian's Prometheus (server and
-# promtool). Installed here when missing and this user may (root with apt-get); otherwise the
-# command to run is printed, and those tests say they were skipped for it (CI=1 fails them).
+# promtool), and Chromium with its chromedriver (the token inspector's page in a real browser).
+# Installed here when missing and this user may (root with apt-get); otherwise the command to
+# run is printed, and those tests say they were skipped for it (CI=1 fails them).
 services:
 	@if ! command -v promtool >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -43,6 +44,14 @@ services:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
 	  else \
 	    echo "promtool is missing: run 'sudo apt-get install -y prometheus' for the Prometheus tests"; \
+	  fi; \
+	fi
+	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing Debian's chromium and chromium-driver for the token inspector's browser tests"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	  else \
+	    echo "chromium is missing: run 'sudo apt-get install -y chromium chromium-driver' for the inspector's browser tests"; \
 	  fi; \
 	fi
 
