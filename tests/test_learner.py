@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from cagrpo_ray.algo import LossSpec, group_advantages, policy_loss
 from cagrpo_ray.learner.batch import check_batch, group_sizes, position_ids
-from cagrpo_ray.learner.learner import Learner, LearnerSettings
+from cagrpo_ray.learner.learner import Learner
+from cagrpo_ray.learner.settings import LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
 TINY = dict(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128)

@@ -14,7 +14,8 @@ from test_learner import TINY, free_port, random_batch
 
 from cagrpo_ray.algo import LossSpec
 from cagrpo_ray.learner.group import LearnerGroup, LearnerGroupError, split_by_groups
-from cagrpo_ray.learner.learner import Learner, LearnerSettings
+from cagrpo_ray.learner.learner import Learner
+from cagrpo_ray.learner.settings import LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
 LEARNER = dict(lr=1e-3, micro_batch_size=5)
@@ -92,7 +93,7 @@ def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_resul
         def full_parameters(learner: Learner) -> dict[str, torch.Tensor]:
             """Every parameter, whole, on every rank (gathered under ZeRO-3)."""
             out = {}
-            for name, param in learner.engine.module.named_parameters():
+            for name, param in learner.engine.module.policy.named_parameters():
                 with deepspeed.zero.GatheredParameters([param], enabled=zero_stage == 3):
                     out[name] = param.detach().clone()
             return out

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 # Large enough that DeepSpeed never prints its own progress lines between our metrics.
 _NEVER = 1 << 62
+REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 def default_backend() -> str:
@@ -66,7 +67,7 @@ def deepspeed_config(
     micro_batch_size: int,
     world_size: int,
     grad_clip: float,
-    bf16: bool,
+    bf16: bool = False,
 ) -> dict:
     """DeepSpeed config for one optimizer step per `train_step`.
 
@@ -76,17 +77,28 @@ def deepspeed_config(
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be one of 0, 1, 2, 3, got {zero_stage!r}")
-    return {
+    config = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": 1,
         "train_batch_size": micro_batch_size * world_size,
         "gradient_clipping": grad_clip,
-        "zero_optimization": {"stage": zero_stage},
+        # DeepSpeed's default bucket sizes, stated so that the memory planner uses the same:
+        # ZeRO-1/2 allocate a reduce bucket of this many gradient elements in every backward.
+        "zero_optimization": {
+            "stage": zero_stage,
+            "reduce_bucket_size": REDUCE_BUCKET_ELEMENTS,
+            "allgather_bucket_size": REDUCE_BUCKET_ELEMENTS,
+        },
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         "steps_per_print": _NEVER,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        # Without this DeepSpeed sums the micro-batches' gradients in bf16 (its default is the
+        # model dtype): ~24 micro-batches in the GPU recipes would lose most of their bits.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
 
 
 def data_parallel_group():

@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from cagrpo_ray.algo import LossSpec
 from cagrpo_ray.learner.batch import check_batch, group_sizes
-from cagrpo_ray.learner.learner import Learner, LearnerSettings
+from cagrpo_ray.learner.learner import Learner
+from cagrpo_ray.learner.settings import LearnerSettings
 
 
 class LearnerGroupError(RuntimeError):

@@ -10,24 +10,22 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.algo import (
     LossSpec,
-    entropy_from_logits,
-    logprobs_from_logits,
     policy_loss,
     prepare_loss_inputs,
     truncated_is_weights,
 )
-from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch, position_ids
+from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch
 from cagrpo_ray.learner.distributed import (
     RankReducer,
     all_reduce_,
@@ -38,50 +36,10 @@ from cagrpo_ray.learner.distributed import (
     seed_everything,
     set_rng_state,
 )
+from cagrpo_ray.learner.scorer import TokenScorer
+from cagrpo_ray.learner.settings import LearnerSettings
 
 _CHECKPOINT_TAG = "learner"
-
-
-@dataclass(frozen=True)
-class LearnerSettings:
-    """How one learner rank trains, apart from the loss (which is a `LossSpec`).
-
-    model_path: the policy to start from (a Hugging Face model directory).
-    zero_stage: DeepSpeed ZeRO stage 0 to 3.
-    micro_batch_size: responses per forward/backward pass.
-    lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warm-up to lr.
-    temperature: the sampling temperature; log-probs are of log_softmax(logits / temperature).
-    ref_model_path: the frozen reference policy for the KL penalty (None: the starting policy,
-        loaded only when the loss's kl_coef > 0).
-    max_response_length: Dr.GRPO's constant L (None: the longest response of each batch).
-    seed: learner RNG and Clip-Cov's draws.
-    bf16: train in bfloat16 (None: where CUDA is available).
-    num_threads: torch CPU threads of this rank.
-    dist_timeout_s: timeout of the data-parallel collectives.
-    """
-
-    model_path: str
-    zero_stage: int = 2
-    micro_batch_size: int = 32
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    temperature: float = 1.0
-    ref_model_path: str | None = None
-    max_response_length: int | None = None
-    seed: int = 0
-    bf16: bool | None = None
-    num_threads: int = 1
-    dist_timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        if self.temperature <= 0:
-            raise ValueError(
-                f"temperature must be positive (the sampling one), got {self.temperature}"
-            )
 
 
 class Learner:
@@ -116,9 +74,12 @@ class Learner:
 
         init_data_parallel(rank, world_size, master_addr, master_port, settings.dist_timeout_s)
         seed_everything(settings.seed)
-        use_bf16 = torch.cuda.is_available() if settings.bf16 is None else settings.bf16
         self.ds_config = deepspeed_config(
-            settings.zero_stage, settings.micro_batch_size, world_size, settings.grad_clip, use_bf16
+            settings.zero_stage,
+            settings.micro_batch_size,
+            world_size,
+            settings.grad_clip,
+            bf16=settings.dtype == "bfloat16",
         )
         model = self._load_model(self.model_path)
         # No weight decay on biases and norms, as usual for transformers.
@@ -147,21 +108,35 @@ class Learner:
 
     # ----------------------------------------------------------------------------- set-up
 
-    def _load_model(self, path: str) -> torch.nn.Module:
-        dtype = torch.bfloat16 if self.ds_config["bf16"]["enabled"] else torch.float32
+    def _load_model(self, path: str, trainable: bool = True) -> TokenScorer:
+        s = self.settings
         # Every rank loads the whole model into host memory; under ZeRO-3 deepspeed.initialize
         # then partitions it. (Building it already partitioned needs transformers'
         # HfDeepSpeedConfig, which requires the accelerate package.)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        model.config.use_cache = False
+        config = AutoConfig.from_pretrained(path)
         # Dropout off for good: the recomputed proximal log-probs and the training forward pass
         # must be the same function of the weights (ratio 1 on the first pass), as usual in RL
-        # fine-tuning.
-        model.eval()
-        return model
+        # fine-tuning. The model stays in train mode, which transformers needs for gradient
+        # checkpointing (it checkpoints only when `self.training`).
+        for name, value in config.to_dict().items():
+            if "dropout" in name and isinstance(value, float):
+                setattr(config, name, 0.0)
+        config.use_cache = False
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=getattr(torch, s.dtype)
+        )
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        if trainable and s.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.train(trainable)
+        return TokenScorer(model, self.temperature, s.logits_chunk_mib)
 
     def _reference_model(self, path: str) -> torch.nn.Module:
-        model = self._load_model(path).requires_grad_(False)
+        model = self._load_model(path, trainable=False).requires_grad_(False)
         if self.zero_stage == 3:
             config = {
                 "train_micro_batch_size_per_gpu": self.micro_batch_size,
@@ -182,18 +157,20 @@ class Learner:
         count = int(all_reduce_(count, "max").item())
         return list(torch.arange(num_rows).tensor_split(count))
 
-    def _logits(self, model, batch: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+    def _scores(self, model, batch, rows: torch.Tensor, with_entropy: bool):
+        """[r, W] log-probs at the token (and entropies, or None) of the micro-batch `rows`,
+        W the batch's width; the columns past the rows' last real token are 0."""
         attention_mask = batch["attention_mask"][rows]
         # Cut the padding columns that no row of this micro-batch uses.
-        width = int(attention_mask.any(0).nonzero().max().item()) + 1
-        attention_mask = attention_mask[:, :width]
-        out = model(
-            input_ids=batch["input_ids"][rows, :width],
-            attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
-            use_cache=False,
+        used = int(attention_mask.any(0).nonzero().max().item()) + 1
+        width = attention_mask.shape[1]
+        logprobs, entropy = model(
+            input_ids=batch["input_ids"][rows, :used],
+            attention_mask=attention_mask[:, :used],
+            with_entropy=with_entropy,
         )
-        return out.logits
+        logprobs = F.pad(logprobs, (0, width - used))
+        return logprobs, None if entropy is None else F.pad(entropy, (0, width - used))
 
     # ----------------------------------------------------------------------------- update
 
@@ -255,9 +232,8 @@ class Learner:
             if padding:  # another rank has more micro-batches; ZeRO needs as many passes here
                 rows = torch.zeros(1, dtype=torch.long)
             self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
-            logits = self._logits(self.engine, batch, rows)
-            logprobs = self._token_logprobs(logits, batch["input_ids"][rows], mask.shape[1])
             with_entropy = bool(self.loss.entropy_coef)
+            logprobs, entropy = self._scores(self.engine, batch, rows, with_entropy)
             out = policy_loss(
                 self.loss,
                 logprobs,
@@ -265,7 +241,7 @@ class Learner:
                 advantages[rows],
                 mask[rows],
                 ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                entropy=self._token_entropy(logits, mask.shape[1]) if with_entropy else None,
+                entropy=entropy,
                 is_weights=None if is_weights is None else is_weights[rows],
                 prepared=prepared.rows(rows),
             )
@@ -329,38 +305,18 @@ class Learner:
         out["advantages"] = out["advantages"].float()
         return out
 
-    def _token_logprobs(self, logits, input_ids, width: int) -> torch.Tensor:
-        """[b, width] log-probs at the token (column 0 and columns past the logits are 0)."""
-        targets = input_ids[:, 1 : logits.shape[1]]
-        values = logprobs_from_logits(self._tempered(logits[:, :-1]), targets)
-        return F.pad(values, (1, width - logits.shape[1]))
-
-    def _token_entropy(self, logits, width: int) -> torch.Tensor:
-        """[b, width] entropy of the distribution each token was sampled from."""
-        values = entropy_from_logits(self._tempered(logits[:, :-1]))
-        return F.pad(values, (1, width - logits.shape[1]))
-
-    def _tempered(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits if self.temperature == 1.0 else logits / self.temperature
-
     @torch.no_grad()
     def _score(self, batch, micro):
         """Recomputed log-probs, token entropies, and reference log-probs (None without a
         reference policy), each [B, L], under no_grad, micro-batch by micro-batch."""
-        width = batch["input_ids"].shape[1]
         logprobs = torch.zeros_like(batch["behavior_logprobs"])
         entropy = torch.zeros_like(logprobs)
         ref = torch.zeros_like(logprobs) if self.ref_model is not None else None
         for rows in micro:
             rows = rows if rows.numel() else torch.zeros(1, dtype=torch.long)
-            ids = batch["input_ids"][rows]
-            logits = self._logits(self.engine, batch, rows)
-            logprobs[rows] = self._token_logprobs(logits, ids, width)
-            entropy[rows] = self._token_entropy(logits, width)
+            logprobs[rows], entropy[rows] = self._scores(self.engine, batch, rows, True)
             if ref is not None:
-                ref[rows] = self._token_logprobs(
-                    self._logits(self.ref_model, batch, rows), ids, width
-                )
+                ref[rows] = self._scores(self.ref_model, batch, rows, False)[0]
         return logprobs, entropy, ref
 
     def _grad_norm_before_step(self) -> float | None:
@@ -388,7 +344,7 @@ class Learner:
         The tensors are copies under ZeRO-3 (the gathered storage is freed after each one) and
         the live parameters otherwise, so a consumer that keeps them must copy them.
         """
-        for name, param in self.engine.module.named_parameters():
+        for name, param in self.engine.module.policy.named_parameters():
             if self.zero_stage == 3:
                 with deepspeed.zero.GatheredParameters([param]):
                     if self.rank == 0:
@@ -450,7 +406,9 @@ class Learner:
         state = self.state_dict_for_sync()
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            self.engine.module.policy.save_pretrained(
+                out, state_dict=state, safe_serialization=True
+            )
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
         self._barrier()
         return out

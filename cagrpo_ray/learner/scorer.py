@@ -1,0 +1,97 @@
+"""The policy as token scores: log-probs and entropies of the tokens a batch holds.
+
+A causal LM's forward returns logits for every position, [b, w, V]: for the GPU recipes (V =
+152k, 4 x 5,120 tokens per micro-batch) that is 12 GB in bf16 before the float32 softmax, and
+more in the backward pass. `TokenScorer` runs the decoder once, then the output head and the
+softmax over chunks of positions; with gradient, each chunk is recomputed in the backward pass
+(activation checkpointing), so only one chunk's logits are alive at a time:
+
+    h        = decoder(input_ids)                              [b, w, H]
+    z_t      = head(h_t) / T                                   one chunk of positions at a time
+    log pi   = z_t[o_{t+1}] - logsumexp(z_t)                   the next token's log-prob
+    H_t      = logsumexp(z_t) - sum_v softmax(z_t)_v z_t,v     entropy (when asked for)
+
+Values are "at the token": column t holds log p(input_ids[t] | input_ids[:t]); column 0 is 0.
+The head runs on every position of a chunk (the last column's value is dropped), so a batch
+that fits one chunk computes exactly what `model(...).logits` followed by a log-softmax would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from cagrpo_ray.learner.batch import position_ids
+
+# A chunk's float32 logits, softmax and product with z: three [positions, V] tensors.
+_FLOAT32_COPIES = 3
+
+
+def chunk_positions(vocab_size: int, budget_mib: float) -> int:
+    """Positions per chunk so that a chunk's float32 softmax work fits `budget_mib` MiB."""
+    return max(1, int(budget_mib * 2**20 // (_FLOAT32_COPIES * 4 * vocab_size)))
+
+
+class TokenScorer(torch.nn.Module):
+    """Wraps a Hugging Face causal LM (`policy`, kept as a submodule) so that its forward
+    returns token log-probs and, optionally, entropies instead of logits.
+
+    temperature: the sampling temperature the scores are of; budget_mib: memory for one chunk
+    of float32 logits work (`chunk_positions`).
+    """
+
+    def __init__(self, policy: torch.nn.Module, temperature: float = 1.0, budget_mib: float = 1024):
+        super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        self.policy = policy
+        self.temperature = temperature
+        self.chunk = chunk_positions(policy.config.vocab_size, budget_mib)
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """input_ids, attention_mask: [b, w], right-padded. Returns ([b, w] float32 log-probs
+        at the token, [b, w] float32 entropies of the distribution each token was drawn from
+        or None); both 0 in column 0."""
+        decoder = self.policy.get_decoder()
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids(attention_mask),
+            use_cache=False,
+        ).last_hidden_state
+        b, w, h = hidden.shape
+        flat = hidden.reshape(b * w, h)
+        # position t predicts token t + 1; the last position's target is a placeholder
+        targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+        track = torch.is_grad_enabled() and flat.requires_grad
+        logprobs, entropies = [], []
+        for start in range(0, b * w, self.chunk):
+            args = (flat[start : start + self.chunk], targets[start : start + self.chunk])
+            if track:
+                lp, ent = checkpoint(self._chunk, *args, with_entropy, use_reentrant=False)
+            else:
+                lp, ent = self._chunk(*args, with_entropy)
+            logprobs.append(lp)
+            entropies.append(ent)
+        logprobs = _at_the_token(torch.cat(logprobs), b, w)
+        entropy = _at_the_token(torch.cat(entropies), b, w) if with_entropy else None
+        return logprobs, entropy
+
+    def _chunk(self, hidden: Tensor, targets: Tensor, with_entropy: bool):
+        z = self.policy.get_output_embeddings()(hidden).to(torch.float32)
+        if self.temperature != 1.0:
+            z = z / self.temperature
+        logz = torch.logsumexp(z, dim=-1)
+        logprob = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logz
+        if not with_entropy:
+            return logprob, logprob.new_zeros(())
+        return logprob, logz - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def _at_the_token(values: Tensor, b: int, w: int) -> Tensor:
+    """[b * w] values of positions 0..w-1 (predicting tokens 1..w) -> [b, w] at the token."""
+    return F.pad(values.view(b, w)[:, :-1], (1, 0))

@@ -1,0 +1,64 @@
+"""How one learner rank trains, apart from the loss (which is an `algo.LossSpec`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LearnerSettings:
+    """How one learner rank trains, apart from the loss (which is a `LossSpec`).
+
+    model_path: the policy to start from (a Hugging Face model directory).
+    zero_stage: DeepSpeed ZeRO stage 0 to 3.
+    micro_batch_size: responses per forward/backward pass.
+    lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warm-up to lr.
+    temperature: the sampling temperature; log-probs are of log_softmax(logits / temperature).
+    ref_model_path: the frozen reference policy for the KL penalty (None: the starting policy,
+        loaded only when the loss's kl_coef > 0).
+    max_response_length: Dr.GRPO's constant L (None: the longest response of each batch).
+    seed: learner RNG and Clip-Cov's draws.
+    dtype: parameter dtype, the generators' too ("float32" or "bfloat16"; float16 would need
+        loss scaling, which is not implemented). bfloat16 trains with fp32 master weights and
+        fp32 gradient accumulation (ZeRO stage 1 and up).
+    gradient_checkpointing: recompute each decoder layer in the backward pass instead of
+        keeping its activations (non-reentrant; the model stays in train mode, dropout 0).
+    logits_chunk_mib: memory for one chunk of the output head's float32 work (`scorer.py`).
+    num_threads: torch CPU threads of this rank.
+    dist_timeout_s: timeout of the data-parallel collectives.
+    """
+
+    model_path: str
+    zero_stage: int = 2
+    micro_batch_size: int = 32
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    ref_model_path: str | None = None
+    max_response_length: int | None = None
+    seed: int = 0
+    dtype: str = "float32"
+    gradient_checkpointing: bool = False
+    logits_chunk_mib: float = 1024.0
+    num_threads: int = 1
+    dist_timeout_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"temperature must be positive (the sampling one), got {self.temperature}"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one of float32, bfloat16 (float16 needs loss "
+                "scaling, which the learner does not implement)"
+            )
+        if self.dtype == "bfloat16" and self.zero_stage == 0:
+            raise ValueError(
+                "bfloat16 needs ZeRO stage 1 or more: DeepSpeed accumulates stage 0's "
+                "gradients in bfloat16 only, and the learner accumulates in float32"
+            )
