@@ -96,8 +96,10 @@ class ModelConfig(Section):
         description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard; built on "
         "first use and cached), a local HF model directory, or a hub name.",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype of learner and generators."
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="Parameter dtype of learners and generators alike (bfloat16: fp32 master "
+        "weights and gradient accumulation; float16 would need loss scaling, not implemented).",
     )
 
 
@@ -236,6 +238,23 @@ class LearnerConfig(Section):
     num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
     micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute each decoder layer in the backward pass instead of keeping its "
+        "activations (non-reentrant; on in the GPU recipes).",
+    )
+    logits_chunk_mib: float = Field(
+        1024.0,
+        gt=0,
+        description="Memory (MiB) for one chunk of the output head's float32 work: full-vocabulary "
+        "logits never exist for a whole micro-batch.",
+    )
+    dist_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Timeout (s) of the learners' collectives (DeepSpeed's included); longer than "
+        "sync.timeout_s, so a weight sync gives up before the learners' collectives do.",
+    )
 
 
 class SyncConfig(Section):
@@ -257,6 +276,17 @@ class MetricsConfig(Section):
     host: str = Field("0.0.0.0", description="Interface the exporter binds.")
 
 
+class ClusterConfig(Section):
+    nodes: int | None = Field(
+        None,
+        ge=1,
+        description="Nodes of the GPU cluster the plan checks against (None: the Ray cluster the "
+        "run joins; `python -m cagrpo_ray.plan` then needs --nodes).",
+    )
+    gpus_per_node: int = Field(8, ge=0, description="GPUs per node.")
+    gpu_memory_gib: float = Field(80.0, gt=0, description="Memory of one GPU in GiB.")
+
+
 class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="The run as a whole.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy.")
@@ -272,6 +302,25 @@ class Config(Section):
     metrics: MetricsConfig = Field(
         default_factory=MetricsConfig, description="Prometheus exporter."
     )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="The GPU cluster's shape, for the planner."
+    )
+
+
+def _check_across_sections(config: Config) -> Config:
+    """Rules that span sections; each message names the keys and what would be right."""
+    if config.model.dtype == "bfloat16" and config.learner.zero_stage == 0:
+        raise ValueError(
+            "model.dtype bfloat16 needs learner.zero_stage 1, 2 or 3: DeepSpeed accumulates "
+            "stage 0's gradients in bfloat16 only, and the learner accumulates in float32"
+        )
+    if config.sync.timeout_s >= config.learner.dist_timeout_s:
+        raise ValueError(
+            f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "
+            f"({config.learner.dist_timeout_s:g}): learner ranks wait in a collective while rank "
+            "0 waits for the generators"
+        )
+    return config
 
 
 class ConfigError(ValueError):
@@ -347,10 +396,14 @@ def _merge(base: dict, extra: dict) -> dict:
 def from_dict(tree: dict) -> Config:
     """Validate a nested dict; raises ConfigError listing every wrong key or value."""
     try:
-        return Config.model_validate(tree)
+        config = Config.model_validate(tree)
     except ValidationError as exc:
         lines = [_describe(e) for e in exc.errors()]
         raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
+    try:
+        return _check_across_sections(config)
+    except ValueError as exc:
+        raise ConfigError(f"invalid config:\n  {exc}") from None
 
 
 def load_config(

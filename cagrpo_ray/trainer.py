@@ -55,7 +55,7 @@ def required_cpus(config: Config) -> float:
 
 def learner_settings(config: Config, model_path: str):
     """The learners' `LearnerSettings` from the config (the loss is `algorithm.loss_spec()`)."""
-    from cagrpo_ray.learner.learner import LearnerSettings
+    from cagrpo_ray.learner.settings import LearnerSettings
 
     a, lcfg = config.algorithm, config.learner
     return LearnerSettings(
@@ -69,6 +69,10 @@ def learner_settings(config: Config, model_path: str):
         temperature=config.rollout.temperature,
         max_response_length=config.rollout.max_tokens,
         seed=config.run.seed,
+        dtype=config.model.dtype,
+        gradient_checkpointing=lcfg.gradient_checkpointing,
+        logits_chunk_mib=lcfg.logits_chunk_mib,
+        dist_timeout_s=lcfg.dist_timeout_s,
     )
 
 
