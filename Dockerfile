@@ -12,10 +12,22 @@
 # The final stages keep a C compiler on purpose, since vLLM's torch.compile (Triton on GPUs,
 # C++ on CPUs) compiles kernels at run time; they carry no CUDA toolkit, no make, no package
 # caches and no installer other than the venv's own pip.
+#
+# GPU stack: vllm==0.33.0 pins torch==2.14.0, a CUDA 13.0 build (2.14.0+cu130, with
+# cuda-toolkit 13.0.3 and NCCL 2.30.7 as wheels), so the GPU stages are CUDA 13.0 (nvcc then
+# matches torch for DeepSpeed's ops) and GPU nodes need NVIDIA driver >= 580, the floor of
+# CUDA 13.x. On a 550 or 570 driver the container would start and fail at its first CUDA call;
+# the final stage's NVIDIA_REQUIRE_CUDA has the NVIDIA Container Toolkit refuse to start it.
+# What was checked, and how: docs/gpu.md.
 
 ARG PYTHON_VERSION=3.11.13
-ARG CUDA_VERSION=12.8.1
+# nvidia/cuda:13.0.2-{devel,base}-ubuntu22.04: the tags vLLM's own release image builds on
+# (vllm-project/vllm docker/versions.json, BUILD_BASE_IMAGE and FINAL_BASE_IMAGE).
+ARG CUDA_VERSION=13.0.2
 ARG UBUNTU_VERSION=22.04
+# uv reads wheel METADATA of any Metadata-Version 2.x, and sdist PKG-INFO of 2.2 to 2.x since
+# 0.1.17; vllm 0.33.0, torch 2.14.0 and deepspeed 0.19.8 declare Metadata-Version 2.4. uv 0.8.4
+# resolved the gpu extra and installed the vllm and torch wheels (docs/gpu.md).
 ARG UV_VERSION=0.8.4
 
 FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
@@ -24,7 +36,10 @@ FROM ghcr.io/astral-sh/uv:${UV_VERSION} AS uv
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu${UBUNTU_VERSION} AS gpu-build
 ARG PYTHON_VERSION
+# CUDA_HOME pins the nvcc that torch's and DeepSpeed's extension builders use to the image's
+# CUDA 13.0 one (the gpu extra also brings a pip nvcc, 13.5, off PATH, via humming-kernels).
 ENV DEBIAN_FRONTEND=noninteractive \
+    CUDA_HOME=/usr/local/cuda \
     UV_PYTHON_INSTALL_DIR=/opt/python \
     UV_PYTHON_PREFERENCE=only-managed \
     UV_NO_CACHE=1 \
@@ -46,10 +61,13 @@ RUN uv pip install ".[gpu]"
 # offload, which run on plain torch and NCCL, so no DeepSpeed C++/CUDA op is needed and none is
 # pre-built (DS_BUILD_OPS=0). DeepSpeed is rebuilt here against the installed CUDA torch (no
 # build isolation), so that a build with e.g. `--build-arg DS_BUILD_FUSED_ADAM=1` compiles
-# that op for Ampere (8.0, 8.6) and Hopper (9.0).
+# that op with nvcc 13.0 for Ampere (8.0, 8.6), Hopper (9.0) and Blackwell (10.0, 12.0), each
+# an architecture torch 2.14's cu130 build has kernels for. The list must be explicit:
+# DeepSpeed 0.19.8's default for CUDA 13 is 6.0;6.1;7.0, which nvcc 13 no longer targets
+# (CUDA 13 dropped Maxwell, Pascal and Volta), and an entry of 7.x would build without bf16.
 ARG DS_BUILD_OPS=0
 ARG DS_BUILD_FUSED_ADAM=0
-ENV TORCH_CUDA_ARCH_LIST="8.0 8.6 9.0" \
+ENV TORCH_CUDA_ARCH_LIST="8.0 8.6 9.0 10.0 12.0" \
     DS_ACCELERATOR=cuda
 RUN uv pip install --no-deps --no-build-isolation --reinstall-package deepspeed \
         "deepspeed==$(python -c 'import importlib.metadata as m; print(m.version("deepspeed"))')" \
@@ -66,9 +84,12 @@ COPY --from=gpu-build /opt/python /opt/python
 COPY --from=gpu-build /opt/venv /opt/venv
 WORKDIR /app
 COPY configs ./configs
+# NVIDIA_REQUIRE_CUDA: the NVIDIA Container Toolkit checks it against the node's driver before
+# the container starts ("unsatisfied condition: cuda>=13.0" on drivers older than 580).
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     DS_ACCELERATOR=cuda \
+    NVIDIA_REQUIRE_CUDA="cuda>=13.0" \
     PYTHONUNBUFFERED=1
 USER ray
 CMD ["python", "-m", "cagrpo_ray.run", "--help"]

@@ -1,10 +1,12 @@
 """The Dockerfile, read without a Docker engine (none runs here): what it copies exists and is
 not excluded by .dockerignore, the extras it installs are defined, the stages it refers to
-exist, the base images are pinned, and each final stage runs as a non-root user without a
-CUDA toolkit or general build tools. Whether the images build and run is not checked here."""
+exist, the base images are pinned, each final stage runs as a non-root user without a
+CUDA toolkit or general build tools, and the GPU stages match the CUDA of the torch that the
+pinned vLLM requires. Whether the images build and run is not checked here."""
 
 import fnmatch
 import re
+import shlex
 import tomllib
 from pathlib import Path
 
@@ -15,6 +17,24 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).parent.parent
 FINAL_STAGES = {"gpu", "cpu"}
 BUILD_TOOLS = {"build-essential", "cmake", "git", "ninja-build", "make", "cuda-toolkit"}
+
+# Facts about the GPU stack, read once from the wheels (the tests cannot download them):
+# `pip download --no-deps vllm==0.33.0 torch==2.14.0` (manylinux_2_28_x86_64, cp311), then
+# their .dist-info/METADATA and torch/version.py. vllm 0.33.0 has `Requires-Dist:
+# torch==2.14.0`; torch 2.14.0 has `cuda = '13.0'` (version 2.14.0+cu130) and requires
+# cuda-toolkit==13.0.3 and nvidia-nccl-cu13==2.30.7; both wheels say `Metadata-Version: 2.4`.
+# The -gencode flags embedded in its libtorch_cuda.so name sm_75 80 86 90 100 120.
+# Re-read them when the pin changes: test_the_gpu_pin_is_the_one_the_facts_were_read_from.
+GPU_PIN = "vllm==0.33.0"
+TORCH_CUDA = (13, 0)
+TORCH_CUDA_ARCHS = {"7.5", "8.0", "8.6", "9.0", "10.0", "12.0"}
+WHEEL_METADATA_VERSION = (2, 4)
+# uv parses a wheel's METADATA whatever its 2.x Metadata-Version, and since 0.1.17 ("Add
+# support for Metadata 2.2", astral-sh/uv#2293) reads an sdist's PKG-INFO for 2.2 <= version
+# < 3.0 (read in uv's source at tags 0.1.17, 0.2.0, 0.5.0, 0.8.4 and on main after 0.12.5).
+FIRST_UV_READING_METADATA_2_4 = (0, 1, 17)
+# The driver floor of CUDA 13.x: ">= 580" in NVIDIA's CUDA minor-version compatibility table.
+DRIVER_FLOOR = 580
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -179,3 +199,76 @@ def test_the_cpu_target_removes_what_the_makefile_removes(dockerfile):
     [build] = [s for s in dockerfile["stages"] if s["name"] == "cpu-build"]
     runs = " ".join(rest for keyword, rest in build["steps"] if keyword == "RUN")
     assert re.search(r"uninstall -y " + " ".join(removed), runs)
+
+
+# ------------------------------------------------------------------------- the GPU stack
+
+
+def stage(dockerfile: dict, name: str) -> dict:
+    [found] = [s for s in dockerfile["stages"] if s["name"] == name]
+    return found
+
+
+def env(stage: dict) -> dict[str, str]:
+    """The stage's ENV values (KEY=VALUE form), later ones winning."""
+    values = {}
+    for keyword, rest in stage["steps"]:
+        if keyword == "ENV":
+            values.update(word.split("=", 1) for word in shlex.split(rest))
+    return values
+
+
+def version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def test_the_gpu_pin_is_the_one_the_facts_were_read_from():
+    gpu_extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]["gpu"]
+    assert GPU_PIN in gpu_extra, (
+        f"the gpu extra is {gpu_extra}, the GPU facts above were read for {GPU_PIN}: re-read "
+        "the torch pin, its CUDA and the metadata version from the new wheels"
+    )
+
+
+def test_gpu_images_use_the_cuda_of_the_torch_that_vllm_pins(dockerfile):
+    versions = {}
+    for name, flavors in (("gpu-build", {"devel"}), ("gpu", {"base", "runtime"})):
+        image = expand(stage(dockerfile, name)["base"], dockerfile["args"])
+        match = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-(\w+)-ubuntu\d+\.\d+", image)
+        assert match, f"stage {name}: {image} is not an nvidia/cuda image"
+        assert match.group(2) in flavors, f"stage {name}: {image} should be {flavors}"
+        versions[name] = version_tuple(match.group(1))
+        assert versions[name][:2] == TORCH_CUDA, f"{image}: torch is built for CUDA {TORCH_CUDA}"
+    # nvcc of the build stage and the runtime of the final stage are the same release.
+    assert versions["gpu-build"] == versions["gpu"]
+    cuda = ".".join(map(str, TORCH_CUDA))
+    assert env(stage(dockerfile, "gpu"))["NVIDIA_REQUIRE_CUDA"] == f"cuda>={cuda}"
+
+
+def test_deepspeed_ops_target_archs_that_torch_has_kernels_for_with_bf16(dockerfile):
+    archs = env(stage(dockerfile, "gpu-build"))["TORCH_CUDA_ARCH_LIST"].split()
+    assert archs and set(archs) <= TORCH_CUDA_ARCHS, archs
+    # DeepSpeed builds an op without bf16 when any target is 7.x; CUDA 13 dropped below 7.5.
+    assert all(version_tuple(arch)[0] >= 8 for arch in archs), archs
+    assert {"8.0", "9.0"} <= set(archs)
+
+
+def test_the_pinned_uv_reads_the_wheels_metadata_version(dockerfile):
+    assert (2, 2) <= WHEEL_METADATA_VERSION < (3, 0)
+    uv = version_tuple(dockerfile["args"]["UV_VERSION"])
+    assert uv >= FIRST_UV_READING_METADATA_2_4, uv
+    assert stage(dockerfile, "uv")["base"] == "ghcr.io/astral-sh/uv:${UV_VERSION}"
+
+
+def test_the_driver_floor_is_documented_in_the_dockerfile_header_and_the_k8s_readme():
+    header = []
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            break
+        header.append(line.lstrip("#"))
+    floor = f"driver >= {DRIVER_FLOOR}"
+    assert floor in " ".join(" ".join(header).split()), "the Dockerfile header"
+    readme = " ".join((ROOT / "k8s" / "README.md").read_text().split())
+    assert floor in readme, "k8s/README.md"

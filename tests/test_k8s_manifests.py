@@ -14,8 +14,10 @@
   written below for exactly the fields these manifests use (unknown fields are errors). They
   are not the upstream schemas.
 - Cross-checks: the RayJob's cluster equals raycluster.yaml, the PodMonitors' ports exist on the
-  pods they select, the claim and mount paths agree with the entrypoint, the dashboard
-  ConfigMap holds deploy/'s dashboard, and the kustomization lists the files.
+  pods they select, the claim and mount paths agree with the entrypoint, the GPU workers
+  require a driver of the image's CUDA, every pod shares one writable Hugging Face cache on
+  the claim, the dashboard ConfigMap holds deploy/'s dashboard, and the kustomization lists
+  the files.
 """
 
 import copy
@@ -42,6 +44,11 @@ ROOT = Path(__file__).parent.parent
 K8S = ROOT / "k8s"
 SCHEMAS = ROOT.parent / "shared" / "schemas" / "kuberay"
 CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+# The image is CUDA 13.0 (the CUDA of the torch that vllm 0.33.0 pins), which needs an NVIDIA
+# driver >= 580 (tests/test_dockerfile.py holds how that was read). GPU feature discovery's
+# label of the driver's major version; node affinity's Gt compares it as an integer.
+DRIVER_FLOOR = 580
+DRIVER_MAJOR_LABEL = "nvidia.com/cuda.driver.major"
 
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -405,6 +412,43 @@ def test_head_has_no_gpus_and_workers_request_gpus_on_gpu_nodes():
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert {"NCCL_SOCKET_IFNAME", "NCCL_DEBUG"} <= set(env)
         assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_gpu_workers_only_land_on_nodes_with_a_cuda_13_driver():
+    cluster = one("RayCluster")["spec"]
+    for group in cluster["workerGroupSpecs"]:
+        required = group["template"]["spec"]["affinity"]["nodeAffinity"][
+            "requiredDuringSchedulingIgnoredDuringExecution"
+        ]
+        # Terms are alternatives: each one must carry the driver floor.
+        for term in required["nodeSelectorTerms"]:
+            floors = [e for e in term["matchExpressions"] if e["key"] == DRIVER_MAJOR_LABEL]
+            assert floors == [
+                {"key": DRIVER_MAJOR_LABEL, "operator": "Gt", "values": [str(DRIVER_FLOOR - 1)]}
+            ], (group["groupName"], term)
+    readme = " ".join((K8S / "README.md").read_text().split())
+    assert DRIVER_MAJOR_LABEL in readme and f"driver >= {DRIVER_FLOOR}" in readme
+
+
+def test_every_pod_shares_one_writable_hugging_face_cache_on_the_claim():
+    """The driver (head) fetches the model once; the actors on the workers load it from there."""
+    claim = one("PersistentVolumeClaim")["metadata"]["name"]
+    caches = set()
+    for group, template in pod_templates(one("RayCluster")["spec"]).items():
+        spec = template["spec"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in spec["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        for container in spec["containers"]:
+            hf_home = {e["name"]: e.get("value") for e in container["env"]}["HF_HOME"]
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            assert hf_home in mounts, (group, hf_home)
+            mount = mounts[hf_home]
+            assert claims[mount["name"]] == claim and not mount.get("readOnly"), (group, mount)
+            caches.add((hf_home, mount.get("subPath")))
+    assert len(caches) == 1, caches
 
 
 def test_requests_equal_limits_and_pods_run_as_non_root():
