@@ -112,9 +112,7 @@ def test_completions_have_aligned_logprobs_and_finish_reasons(engine, prompts):
 
 
 def engine_model_dir(engine) -> str:
-    if hasattr(engine, "llm"):
-        return engine.llm.llm_engine.model_config.model
-    return engine.model.name_or_path
+    return engine.model_path
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])

@@ -34,6 +34,9 @@ class EchoReplica:
     def count(self):
         return self.calls
 
+    def ready(self):
+        return {"name": self.name}
+
 
 @pytest.fixture(scope="module")
 def local_ray():
@@ -64,6 +67,7 @@ def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, 
 
     # Alone, the restarted replica is resynced (here: told it has version 0) before it serves.
     alone = GeneratorPool([actors[1]], chunk_prompts=2)
+    alone.await_ready()  # Ray has restarted it
     alone.lose(0)
     resynced = []
 
@@ -74,7 +78,7 @@ def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, 
     out = alone.generate([[i] for i in range(4)], SamplingConfig(n=1), resync=resync)
     assert [group[0].token_ids[0] for group in out] == list(range(4))
     assert resynced == [frozenset({0})] and alone.needs_weights == frozenset()
-    with pytest.raises(RuntimeError, match="need weights"):
+    with pytest.raises(RuntimeError, match="a resync is needed"):
         alone.lose(0)
         alone.generate([[0]], SamplingConfig(n=1))
 

@@ -1,18 +1,36 @@
 """The generator replica: one engine (vLLM or HF) and its end of the weight-sync group.
 
-`Generator` is a plain class; `GeneratorActor` is the same class as a Ray actor, restarted by
-Ray when it dies (a restarted replica comes back with the initial weights, and the trainer
-syncs it before it serves again).
+`Generator` is a plain class; `GeneratorActor` is the same class as a Ray actor that runs its
+calls in a thread pool, so that every request the pool sends is in flight at once (the vLLM
+engine batches them all), and that Ray restarts when it dies: a restarted replica comes back
+with the initial weights, and the pool resyncs it before it serves again.
+
+New weights go in between requests, never in the middle of one: `receive_weights` first
+closes the gate to new requests, waits until the requests in flight have finished (they keep
+the version they started with), loads, and opens the gate again. The pool sends no new request
+to a replica while its load is pending, so every completion's `policy_version` is the version
+it was sampled with, and no request is ever cut in half.
+
+A replica whose engine died (its core process, a worker, or a reload that left the model
+half-loaded) exits its process, so that Ray restarts it instead of it answering with errors.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import ray
 
 from .engines import make_engine
 from .types import Completion, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+# Calls one replica runs at once: chunks of prompts in flight, plus a weight receive, a health
+# probe and the sync group's join.
+MAX_CONCURRENT_CALLS = 256
 
 
 class Generator:
@@ -21,8 +39,20 @@ class Generator:
     def __init__(self, replica: int, engine: str, model_path: str, engine_options: dict):
         self.replica = replica
         self.engine = make_engine(engine, model_path, **engine_options)
+        self._gate = threading.Condition()
+        self._in_flight = 0
+        self._loading = False
+        # An engine that cannot serve two calls at once (the HF one) gets them one at a time.
+        self._serial = None if getattr(self.engine, "concurrent", False) else threading.Lock()
 
     def ready(self) -> dict:
+        """This replica's identity and version, after probing that its engine is alive."""
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            try:
+                check()
+            except Exception as exc:
+                _exit_for_restart(self.replica, f"its engine failed a health check: {exc}")
         return {"replica": self.replica, "pid": os.getpid(), "version": self.policy_version()}
 
     def policy_version(self) -> int:
@@ -31,14 +61,63 @@ class Generator:
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
-        return self.engine.generate(prompts, sampling)
+        with self._gate:
+            self._gate.wait_for(lambda: not self._loading)
+            self._in_flight += 1
+        try:
+            if self._serial is None:
+                return self.engine.generate(prompts, sampling)
+            with self._serial:
+                return self.engine.generate(prompts, sampling)
+        except Exception as exc:
+            if _engine_dead(exc):
+                _exit_for_restart(self.replica, f"its engine died: {exc}")
+            raise
+        finally:
+            with self._gate:
+                self._in_flight -= 1
+                self._gate.notify_all()
 
     def init_weight_sync(self, address: dict, rank_offset: int) -> list[int]:
         """Join the learner's weight-sync group; returns the sync ranks of its workers."""
         return self.engine.init_weight_sync(address, rank_offset)
 
     def receive_weights(self, version: int) -> dict:
-        return self.engine.receive_weights(version)
+        """Drain the requests in flight, then load `version` (see the module docstring)."""
+        with self._gate:
+            self._loading = True
+            self._gate.wait_for(lambda: self._in_flight == 0)
+        try:
+            return self.engine.receive_weights(version)
+        except Exception as exc:
+            from .worker_extension import MODEL_UNUSABLE
+
+            if MODEL_UNUSABLE in str(exc) or _engine_dead(exc):
+                _exit_for_restart(self.replica, f"loading v{version} broke its engine: {exc}")
+            raise
+        finally:
+            with self._gate:
+                self._loading = False
+                self._gate.notify_all()
 
 
-GeneratorActor = ray.remote(max_restarts=-1, max_task_retries=0)(Generator)
+def _engine_dead(exc: BaseException) -> bool:
+    """vLLM's EngineDeadError (its core process or a worker is gone), without importing vLLM."""
+    return any(type(e).__name__ == "EngineDeadError" for e in _chain(exc))
+
+
+def _chain(exc: BaseException | None):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _exit_for_restart(replica: int, why: str) -> None:
+    log.error("generator replica %d exits so that Ray restarts it: %s", replica, why)
+    logging.shutdown()
+    os._exit(1)
+
+
+GeneratorActor = ray.remote(
+    max_restarts=-1, max_task_retries=0, max_concurrency=MAX_CONCURRENT_CALLS
+)(Generator)

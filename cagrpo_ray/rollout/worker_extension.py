@@ -14,20 +14,31 @@ checkpoint-format tensors and runs that processing again. A whole sync goes thro
 call, because a layer whose tensors straddle two buckets (q, k, v of one attention block, say)
 is processed only once all of them are in.
 
-One more CPU trap: a tied `lm_head` shares its weight with the token embedding, but its packed
-GEMM weight is its own copy, and the reload rebuilds only layers that received tensors (the
-embedding, not the head, since checkpoints carry no `lm_head.weight` when tied). Without
-`_repack_embedding_gemms` the engine samples from new hidden states through the old head.
+What the reload says, and what it means:
+- A tied `lm_head` shares its weight with the token embedding, but checkpoints carry no
+  `lm_head.weight` when tied, so the reload would leave the head untouched (and on the CPU
+  keep its old packed GEMM: the engine would sample from new hidden states through the old
+  head). The embedding tensor is therefore also given as `lm_head.weight`.
+- A rotary embedding holds only a non-persistent buffer computed from the config, which no
+  checkpoint carries: vLLM logs "RotaryEmbedding: Failed to load weights" at every reload and
+  keeps the (correct) buffer. That line is expected and dropped.
+- Any other layer that received nothing is a real failure: the sync raises, naming it.
+- An exception inside the reload leaves the model half-loaded (vLLM does not roll back): the
+  error says "model left unusable", and the generator exits so that Ray restarts it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from cagrpo_ray.sync import SyncAddress, WeightReceiver
+
+# In a sync error's message: the model is half-loaded and the engine must be rebuilt.
+MODEL_UNUSABLE = "model left unusable"
 
 
 class WeightSyncExtension:
@@ -77,8 +88,18 @@ class WeightSyncExtension:
         return len(tensors)
 
     def _reload(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
-        _repack_embedding_gemms(self.model_runner.get_model())
+        if getattr(self.vllm_config.model_config.hf_config, "tie_word_embeddings", False):
+            named_tensors = _with_tied_head(named_tensors)
+        with _ReloadLog() as log:
+            try:
+                self.reload_weights(weights_iterator=named_tensors, is_checkpoint_format=True)
+            except Exception as exc:
+                raise RuntimeError(f"{MODEL_UNUSABLE} by a failed reload: {exc}") from exc
+        if log.unloaded:
+            raise RuntimeError(
+                f"vLLM worker {self.rank}: layers that received no weights in this sync (they "
+                f"keep the previous version's): {', '.join(sorted(set(log.unloaded)))}"
+            )
 
     def parameter_digests(self) -> dict[str, str]:
         """sha256 of the bytes of every parameter that vLLM keeps as a tensor, by vLLM name.
@@ -117,13 +138,38 @@ def _digesting(
         yield name, tensor
 
 
-def _repack_embedding_gemms(model: torch.nn.Module) -> None:
-    """Rebuild the CPU GEMM kernels of embedding-shaped layers from their current weights."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
-    from vllm.platforms import current_platform
+def _with_tied_head(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, with the token embedding also given as the tied `lm_head.weight`."""
+    for name, tensor in named_tensors:
+        yield name, tensor
+        if name.endswith("embed_tokens.weight"):
+            yield "lm_head.weight", tensor
 
-    if not current_platform.is_cpu():
-        return  # elsewhere the head multiplies by the (shared) parameter itself
-    for module in model.modules():
-        if isinstance(module, VocabParallelEmbedding):
-            module.quant_method.process_weights_after_loading(module)
+
+class _ReloadLog(logging.Filter):
+    """Watches vLLM's layer-wise reload log for the duration of a reload: drops the expected
+    rotary-embedding line, collects every other layer that received no weights."""
+
+    LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+    def __init__(self):
+        super().__init__()
+        self.unloaded: list[str] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        if layer.endswith("RotaryEmbedding"):
+            return False  # a buffer computed from the config: nothing to load, nothing lost
+        self.unloaded.append(layer)
+        return True
+
+    def __enter__(self) -> _ReloadLog:
+        logging.getLogger(self.LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger(self.LOGGER).removeFilter(self)
