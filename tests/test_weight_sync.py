@@ -227,6 +227,59 @@ def test_a_load_failure_reaches_the_sender_with_the_worker_and_the_error():
 
 
 @pytest.mark.unit
+def test_two_ranks_on_one_gpu_are_refused_on_both_sides_before_any_collective():
+    """NCCL's "Duplicate GPU detected" would come at the first broadcast; the rendezvous names
+    the ranks and the GPU instead (device ids given here, as a GPU's UUID would be)."""
+    sender = WeightSender(world_size=3, timeout_s=10, device_id="GPU-aaaa")
+    first = _in_thread(WeightReceiver, sender.address, 1, "GPU-bbbb")
+    second = _in_thread(WeightReceiver, sender.address, 2, "GPU-aaaa")
+    message = r"learner \(rank 0\), generator worker ranks 2 .* same GPU GPU-aaaa"
+    with pytest.raises(WeightSyncError, match=message):
+        sender.wait_joined()
+    for joined in (first, second):
+        with pytest.raises(WeightSyncError, match="same GPU GPU-aaaa"):
+            joined.result(timeout=30)
+    sender.close()
+
+
+@pytest.mark.unit
+def test_a_worker_that_stalls_mid_transfer_fails_the_sync_and_a_new_group_works():
+    tensors = [(f"w{i}", torch.full((64, 64), float(i))) for i in range(12)]  # 16 KiB each
+
+    def run(stall_s: float):
+        sender = WeightSender(world_size=2, timeout_s=SHORT_TIMEOUT_S, bucket_mb=16 / 1024)
+        receiver_future = _in_thread(WeightReceiver, sender.address, 1)
+        sender.wait_joined()
+        receiver = receiver_future.result(timeout=30)
+        got = {}
+
+        def load(stream):
+            for name, tensor in stream:
+                got[name] = tensor.clone()
+                if name == "w1":
+                    time.sleep(stall_s)  # e.g. a worker paused by the OS, or a hung kernel
+
+        received = _in_thread(receiver.receive, 7, load)
+        return sender, received, got
+
+    sender, received, _ = run(stall_s=3 * SHORT_TIMEOUT_S)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="mid-transfer"):
+        sender.send(iter(tensors), version=7)
+    assert time.monotonic() - start < 2 * SHORT_TIMEOUT_S + 5  # bounded: never hangs
+    with pytest.raises(WeightSyncError):
+        received.result(timeout=30)  # the worker is told too, once it looks again
+    with pytest.raises(WeightSyncError, match="unusable"):
+        sender.send(iter(tensors), version=8)  # the aborted group is not reused
+    sender.close()
+    sender, received, got = run(stall_s=0.0)  # a rebuilt group carries the weights
+    sender.send(iter(tensors), version=7)
+    received.result(timeout=30)
+    assert all(torch.equal(got[name], t) for name, t in tensors)
+    sender.close()
+
+
+@pytest.mark.unit
 def test_a_worker_without_a_learner_store_says_so():
     address = SyncAddress("127.0.0.1", free_port(), 2, "gloo", SHORT_TIMEOUT_S)
     with pytest.raises(WeightSyncError, match="store at 127.0.0.1:.* was not reachable"):
@@ -382,13 +435,13 @@ def test_vllm_generator_names_a_learner_that_does_not_send_then_syncs_again(
 
     vllm_engine, _ = generators
     calls = []
-    rpc = vllm_engine.llm.collective_rpc
+    rpc = vllm_engine.engine.collective_rpc  # vLLM's AsyncLLM
 
-    def spy(method, timeout=None, args=(), kwargs=None):
+    async def spy(method, timeout=None, args=(), kwargs=None):
         calls.append((method, args))
-        return rpc(method, timeout=timeout, args=args, kwargs=kwargs)
+        return await rpc(method, timeout=timeout, args=args, kwargs=kwargs)
 
-    vllm_engine.llm.collective_rpc = spy
+    vllm_engine.engine.collective_rpc = spy
     start = time.monotonic()
     try:
         with pytest.raises(
@@ -396,7 +449,7 @@ def test_vllm_generator_names_a_learner_that_does_not_send_then_syncs_again(
         ):
             vllm_engine.receive_weights(9)
     finally:
-        vllm_engine.llm.collective_rpc = rpc
+        vllm_engine.engine.collective_rpc = rpc
     assert time.monotonic() - start < 10.0 + 10
     # Only control values cross the RPC; the weights travel through the sync group.
     assert calls == [("receive_weights", (9, False))]

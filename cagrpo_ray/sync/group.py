@@ -111,8 +111,23 @@ def absent_ranks(store, key: str, ranks: list[int], timeout_s: float) -> list[in
     return sorted(int(k.rsplit("/", 1)[1]) for k in missing)
 
 
-def join_group(store, rank: int, world_size: int, backend: str, timeout_s: float, host: str):
-    """Every rank calls this once; returns the group after all `world_size` ranks have joined."""
+def join_group(
+    store,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    host: str,
+    device_id: str | None = None,
+):
+    """Every rank calls this once; returns the group after all `world_size` ranks have joined.
+
+    Each rank announces its device (`device_id`, by default its GPU's UUID under NCCL): NCCL
+    refuses two ranks of one communicator on one GPU ("Duplicate GPU detected") only at the
+    first collective, deep inside a broadcast; here every rank fails at once, naming the ranks
+    and the GPU.
+    """
+    store.set(f"device/{rank}", device_id or local_device_id(backend))
     store.set(f"joined/{rank}", "1")
     ranks = absent_ranks(store, "joined", list(range(world_size)), timeout_s)
     if ranks:
@@ -120,16 +135,58 @@ def join_group(store, rank: int, world_size: int, backend: str, timeout_s: float
             f"{describe_ranks(ranks)} did not join the weight-sync group ({backend}, "
             f"world size {world_size}) within {timeout_s:g} s"
         )
+    shared = shared_devices({r: store.get(f"device/{r}").decode() for r in range(world_size)})
+    if shared:
+        device, ranks = next(iter(shared.items()))
+        raise WeightSyncError(
+            f"{describe_ranks(ranks)} of the weight-sync group are on the same GPU {device}: "
+            "NCCL refuses two ranks of one communicator on one device. Layouts where a "
+            "generator and a learner share a GPU are not supported; give each role its own GPUs"
+        )
     group_store = dist.PrefixStore("group/", store)
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
+        # Above the waits' own timeout: a stalled collective makes `wait` raise first, and the
+        # group is then aborted, before PyTorch's NCCL watchdog (which, under its default
+        # TORCH_NCCL_ASYNC_ERROR_HANDLING=3, kills the whole process) would fire.
+        options._timeout = timedelta(seconds=2 * timeout_s + 60)
         return dist.ProcessGroupNCCL(group_store, rank, world_size, options)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [_gloo_device(host)]
     return dist.ProcessGroupGloo(group_store, rank, world_size, options)
+
+
+def local_device_id(backend: str) -> str:
+    """What this rank's tensors of the group live on: its GPU's UUID under NCCL, else "cpu"."""
+    if backend != "nccl":
+        return "cpu"
+    index = torch.cuda.current_device()
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def shared_devices(devices: dict[int, str]) -> dict[str, list[int]]:
+    """{device: ranks} for every GPU that more than one rank announced ("cpu" is shared
+    freely)."""
+    by_device: dict[str, list[int]] = {}
+    for rank, device in sorted(devices.items()):
+        by_device.setdefault(device, []).append(rank)
+    return {d: r for d, r in by_device.items() if d != "cpu" and len(r) > 1}
+
+
+def abort(group) -> None:
+    """Abort a group after a failed collective, so that no rank stays blocked in it (NCCL:
+    the communicator is torn down before the watchdog would kill the process); the group is
+    unusable afterwards. Gloo's abort returns without unblocking, which is harmless here:
+    gloo's own timeout has already ended the wait."""
+    stop = getattr(group, "abort", None)
+    if stop is None:
+        return
+    try:
+        stop()
+    except (RuntimeError, dist.DistError):
+        pass  # already broken; nothing more to release
 
 
 def _gloo_device(host: str):

@@ -13,6 +13,7 @@ from cagrpo_ray.sync.group import (
     LEARNER_RANK,
     SyncAddress,
     WeightSyncError,
+    abort,
     absent_ranks,
     as_sync_address,
     join_group,
@@ -34,7 +35,7 @@ class WeightReceiver:
     in-process engine (the HF fallback) creates it directly.
     """
 
-    def __init__(self, address: SyncAddress | dict, rank: int):
+    def __init__(self, address: SyncAddress | dict, rank: int, device_id: str | None = None):
         address = as_sync_address(address)
         if not 1 <= rank < address.world_size:
             raise ValueError(
@@ -46,7 +47,9 @@ class WeightReceiver:
         self._store = open_store(
             host, address.port, world_size, is_master=False, timeout_s=timeout_s
         )
-        self._group = join_group(self._store, rank, world_size, address.backend, timeout_s, host)
+        self._group = join_group(
+            self._store, rank, world_size, address.backend, timeout_s, host, device_id
+        )
         self._device = sync_device(address.backend)
         self._buffers = BufferPool(self._device)
 
@@ -130,6 +133,7 @@ class WeightReceiver:
         try:
             wait(work, self.address.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
+            abort(self._group)
             raise WeightSyncError(
                 f"{what}: learner (rank 0) stopped sending mid-transfer (or gave up after "
                 f"another worker failed); generator worker rank {self.rank} waited "

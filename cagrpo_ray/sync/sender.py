@@ -27,6 +27,7 @@ from cagrpo_ray.sync.group import (
     LEARNER_RANK,
     SyncAddress,
     WeightSyncError,
+    abort,
     absent_ranks,
     describe_ranks,
     join_group,
@@ -69,6 +70,7 @@ class WeightSender:
         backend: str = "auto",
         timeout_s: float = 60.0,
         bucket_mb: float = 64.0,
+        device_id: str | None = None,
     ):
         if world_size < 2:
             raise ValueError(f"world_size counts the learner and >= 1 worker, got {world_size}")
@@ -82,10 +84,12 @@ class WeightSender:
         self._device = sync_device(self.backend)
         self._joiner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-join")
         self._group_future = self._joiner.submit(
-            join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host
-        )
+            join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host,
+            device_id,
+        )  # fmt: skip
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
         self._broken: str | None = None
+        self._announced: int | None = None  # the version `announce` was last called for
         self.version: int | None = None  # last version every receiver loaded
 
     @property
@@ -113,16 +117,11 @@ class WeightSender:
         parameters and fresh copies do). Returns once every worker has loaded them.
         """
         what = f"weight sync v{version}"
-        group = self._group(what)
         start = time.perf_counter()
+        if self._announced != version:
+            self.announce(version)
+        group = self._group(what)
         workers = list(range(1, self.world_size))
-        absent = absent_ranks(self._store, f"v{version}/ready", workers, self.timeout_s)
-        if absent:
-            raise WeightSyncError(
-                f"{what}: {describe_ranks(absent)} did not arrive within {self.timeout_s:g} s "
-                f"(is its engine inside receive_weights({version})?)"
-            )
-        self._store.set(f"v{version}/ready/{LEARNER_RANK}", "1")
 
         buckets = (
             plan_bucket(tensors, version, index)
@@ -166,6 +165,25 @@ class WeightSender:
         self.version = version
         return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
 
+    def announce(self, version: int) -> None:
+        """Wait until every generator worker is inside `receive(version)`, then tell them the
+        learner is sending. Raises, naming the absent workers, after `timeout_s`.
+
+        `send` does it first; a caller whose other ranks must not start work for the sync
+        before the workers are there (ZeRO-3's parameter gathers) calls it on its own first.
+        """
+        what = f"weight sync v{version}"
+        self._group(what)
+        workers = list(range(1, self.world_size))
+        absent = absent_ranks(self._store, f"v{version}/ready", workers, self.timeout_s)
+        if absent:
+            raise WeightSyncError(
+                f"{what}: {describe_ranks(absent)} did not arrive within {self.timeout_s:g} s "
+                f"(is its engine inside receive_weights({version})?)"
+            )
+        self._store.set(f"v{version}/ready/{LEARNER_RANK}", "1")
+        self._announced = version
+
     def _bucket_buffer(self, slot: int, nbytes: int) -> torch.Tensor:
         # Two buffers, reused across buckets and syncs: one is packed while the other flies.
         if self._buffers[slot].numel() < nbytes:
@@ -184,6 +202,7 @@ class WeightSender:
             wait(work, self.timeout_s)
         except (RuntimeError, dist.DistError) as exc:
             self._broken = f"{what} failed"
+            abort(self._group_future.result())
             raise WeightSyncError(
                 f"{what} did not complete within {self.timeout_s:g} s although every generator "
                 f"worker had arrived: a worker died or stalled mid-transfer ({exc}). The group "
