@@ -65,6 +65,12 @@ class RunConfig(Section):
     ray_num_cpus: int | None = Field(
         None, description="CPUs for a local Ray cluster started by the run (None: all)."
     )
+    placement_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long Ray may take to reserve every actor's GPUs and CPUs before the run "
+        "gives up (nodes still starting, or another job holding them).",
+    )
     save_policy: Literal["checkpoints", "end", "never"] = Field(
         "checkpoints",
         description="Write the trained policy as a Hugging Face model directory (safetensors, "
@@ -95,6 +101,12 @@ class ModelConfig(Section):
         "chain_sum",
         description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard; built on "
         "first use and cached), a local HF model directory, or a hub name.",
+    )
+    download_dir: str | None = Field(
+        None,
+        description="For a hub model: the driver downloads it here once and every actor loads "
+        "from this folder (put it on a volume all nodes mount). None: each process resolves "
+        "the hub name itself.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -146,7 +158,12 @@ class RolloutConfig(Section):
     engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine.")
     num_generators: int = Field(2, ge=1, description="Generator replicas (Ray actors).")
     num_cpus_per_generator: float = Field(0.5, gt=0, description="Ray CPUs per generator.")
-    num_gpus_per_generator: float = Field(0.0, ge=0, description="Ray GPUs per generator.")
+    num_gpus_per_generator: float = Field(
+        0.0,
+        ge=0,
+        description="GPUs per tensor-parallel worker of a generator replica (a replica holds "
+        "tensor_parallel_size of them, on one node).",
+    )
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per replica.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
     group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
@@ -161,6 +178,12 @@ class RolloutConfig(Section):
     )
     chunk_prompts: int = Field(
         4, ge=1, description="Prompts per generation request; small chunks balance replicas."
+    )
+    max_prompts_in_flight: int = Field(
+        0,
+        ge=0,
+        description="Prompts one replica may hold at once (0: as many as the staleness bound "
+        "admits). Each replica's engine batches all of them.",
     )
 
 
@@ -314,6 +337,16 @@ def _check_across_sections(config: Config) -> Config:
             "model.dtype bfloat16 needs learner.zero_stage 1, 2 or 3: DeepSpeed accumulates "
             "stage 0's gradients in bfloat16 only, and the learner accumulates in float32"
         )
+    for key, value in (
+        ("rollout.num_gpus_per_generator", config.rollout.num_gpus_per_generator),
+        ("learner.num_gpus_per_learner", config.learner.num_gpus_per_learner),
+    ):
+        if value != int(value):
+            raise ValueError(
+                f"{key}: {value:g} is a fraction of a GPU, which would put two actors (and two "
+                "ranks of the weight-sync group) on one GPU; NCCL refuses that and colocated "
+                "layouts are not supported: use whole GPUs (0 on the CPU)"
+            )
     if config.sync.timeout_s >= config.learner.dist_timeout_s:
         raise ValueError(
             f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "

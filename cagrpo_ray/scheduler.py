@@ -1,13 +1,13 @@
 """One scheduler for every schedule: generation, scoring, training and weight sync, overlapped
 as far as a staleness bound allows.
 
-The driver is one event loop over Ray object refs. Every idle generator replica gets a chunk
-of prompts (while the bound admits more); a finished chunk goes to the reward pool; a scored
-group goes into the rollout buffer with its advantages; as soon as the buffer holds a batch,
-the learner trains on it while generation goes on; when the learner step ends, the new weights
-are broadcast, and each replica loads them between two of its requests (its
-`receive_weights` call is queued behind the chunk it is generating, so no request is ever cut
-in half):
+The driver is one event loop over Ray object refs. Chunks of prompts go to the generator
+replicas as long as the bound admits more, many per replica at once (each replica's engine
+batches every request it holds); a finished chunk goes to the reward pool; a scored group goes
+into the rollout buffer with its advantages; as soon as the buffer holds a batch, the learner
+trains on it while generation goes on; when the learner step ends, the new weights are
+broadcast, and each replica loads them between requests (it lets the requests in flight finish
+and takes no new one until it has loaded, so no request is ever cut in half):
 
     generator 0  |== chunk ==|== chunk ==|rw|== chunk ==|== chunk ==|rw| ...
     generator 1  |== chunk ==|== chunk ==|== chunk ==|rw|== chunk ==| ...
@@ -269,8 +269,15 @@ class Scheduler:
         if self.pool.needs_weights and not self.learn_refs:
             self._resync()  # only while the learner is idle: its weights are policy_version
         train_version = self.policy_version + (1 if self.learn_refs else 0)
-        for replica in self.pool.idle_replicas():
+        while True:
             outstanding = self._outstanding()
+            # nothing past the run's last step: that would be generated and never trained
+            needed = (cfg.run.steps - train_version) * cfg.rollout.prompts_per_step - outstanding
+            count = min(cfg.rollout.chunk_prompts, needed)
+            replicas = self.pool.available_replicas(count) if count > 0 else []
+            if not replicas:
+                return
+            replica = replicas[0]  # the least loaded
             room = admissible_groups(
                 self.pool.version(replica),
                 train_version,
@@ -278,25 +285,26 @@ class Scheduler:
                 cfg.rollout.prompts_per_step,
                 self.max_staleness,
             )
-            # nothing past the run's last step: that would be generated and never trained
-            needed = (cfg.run.steps - train_version) * cfg.rollout.prompts_per_step - outstanding
-            count = min(cfg.rollout.chunk_prompts, room, needed)
+            count = min(count, room)
             if count <= 0:
-                continue
-            indices = tuple(self._next_index() for _ in range(count))
-            group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
-            self.next_group_id += count
-            prompts = [
-                format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
-                for i in indices
-            ]
-            # Seeds fixed by each group's place (step, index in the step), not by timing.
-            step, start = divmod(group_ids[0], cfg.rollout.prompts_per_step)
-            base = self.sampling(
-                cfg.rollout.group_size, cfg.rollout.temperature, step_seed(cfg, step)
-            )
-            sampling = chunk_sampling(base, start)
-            self.pool.submit(replica, prompts, sampling, PromptChunk(indices, group_ids))
+                return
+            self._submit(replica, count)
+
+    def _submit(self, replica: int, count: int) -> None:
+        """Start the next `count` prompt groups on `replica`."""
+        cfg = self.config
+        indices = tuple(self._next_index() for _ in range(count))
+        group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
+        self.next_group_id += count
+        prompts = [
+            format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
+            for i in indices
+        ]
+        # Seeds fixed by each group's place (step, index in the step), not by timing.
+        step, start = divmod(group_ids[0], cfg.rollout.prompts_per_step)
+        base = self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, step_seed(cfg, step))
+        sampling = chunk_sampling(base, start)
+        self.pool.submit(replica, prompts, sampling, PromptChunk(indices, group_ids))
 
     def sampling(self, n: int, temperature: float, seed: int) -> SamplingConfig:
         r = self.config.rollout

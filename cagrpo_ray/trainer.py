@@ -30,6 +30,7 @@ import ray
 from cagrpo_ray.config import Config
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
+from cagrpo_ray.placement import Placement
 from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
@@ -92,6 +93,7 @@ class Trainer:
         self.pool: GeneratorPool | None = None
         self.reward_pool = None
         self.learners = None
+        self.placement: Placement | None = None
 
     @property
     def step(self) -> int:
@@ -112,7 +114,7 @@ class Trainer:
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
 
-        self.model_path = str(resolve_policy(cfg.model.path))
+        self.model_path = str(resolve_policy(cfg.model.path, cfg.model.download_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_source, self.eval_items = self._sources()
         log.info(
@@ -128,22 +130,27 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
         )
+        # Every actor's GPUs and CPUs are reserved (or the layout refused) before any starts.
+        self.placement = Placement(cfg, timeout_s=cfg.run.placement_timeout_s)
         generators = [
             GeneratorActor.options(
-                num_cpus=cfg.rollout.num_cpus_per_generator,
-                num_gpus=cfg.rollout.num_gpus_per_generator,
+                **self.placement.generator(replica),
                 runtime_env={"env_vars": self._generator_env(replica)},
             ).remote(replica, cfg.rollout.engine, self.model_path, self._engine_options(replica))
             for replica in range(cfg.rollout.num_generators)
         ]
-        self.pool = GeneratorPool(generators, cfg.rollout.chunk_prompts, cfg.run.wait_warn_s)
+        self.pool = GeneratorPool(
+            generators,
+            cfg.rollout.chunk_prompts,
+            cfg.run.wait_warn_s,
+            max_prompts_in_flight=cfg.rollout.max_prompts_in_flight,
+        )
         self._wait([g.ready.remote() for g in generators], "generator replicas to start")
         self.learners = LearnerGroup(
             cfg.learner.num_learners,
             learner_settings(cfg, self.model_path),
             cfg.algorithm.loss_spec(),
-            num_cpus_per_learner=cfg.learner.num_cpus_per_learner,
-            num_gpus_per_learner=cfg.learner.num_gpus_per_learner,
+            actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
         )
         coordinator = WeightSyncCoordinator(
             self.learners,
@@ -212,11 +219,16 @@ class Trainer:
 
     def _generator_env(self, replica: int) -> dict:
         env = {"VLLM_LOGGING_LEVEL": "WARNING"}
-        if self.config.rollout.num_gpus_per_generator == 0:
+        r = self.config.rollout
+        if r.num_gpus_per_generator == 0:
             # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a
-            # node picks the same core. One core per replica, round robin over the node's.
+            # node picks the same core. One core per worker (a tensor-parallel replica has
+            # several, "0|1"), round robin over the node's.
             cores = os.cpu_count() or 1
-            env["VLLM_CPU_OMP_THREADS_BIND"] = str(replica % cores)
+            tp = r.tensor_parallel_size
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                str((replica * tp + k) % cores) for k in range(tp)
+            )
         return env
 
     def _engine_options(self, replica: int) -> dict:
@@ -310,7 +322,9 @@ class Trainer:
         for actor in [*actors, self.reward_pool]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)
-        self.reward_pool, self.learners = None, None
+        if self.placement is not None:
+            self.placement.remove()
+        self.reward_pool, self.learners, self.placement = None, None, None
 
     # ------------------------------------------------------------------- checkpoints
 

@@ -117,17 +117,22 @@ class LearnerGroup:
         loss: LossSpec,
         num_cpus_per_learner: float = 0.5,
         num_gpus_per_learner: float = 0.0,
+        actor_options: list[dict] | None = None,
     ) -> None:
         if num_learners < 1:
             raise ValueError(f"num_learners must be >= 1, got {num_learners}")
-        threads = max(1, int(num_cpus_per_learner))
-        remote_cls = ray.remote(
-            num_cpus=num_cpus_per_learner,
-            num_gpus=num_gpus_per_learner,
-            max_restarts=0,
-            runtime_env={"env_vars": {"OMP_NUM_THREADS": str(threads)}},
-        )(LearnerActor)
-        self.actors = [remote_cls.remote() for _ in range(num_learners)]
+        # Per rank: Ray options (resources and a placement-group bundle, `placement.py`).
+        options = (
+            actor_options
+            or [dict(num_cpus=num_cpus_per_learner, num_gpus=num_gpus_per_learner)] * num_learners
+        )
+        threads = max(1, int(options[0]["num_cpus"]))
+        remote_cls = ray.remote(max_restarts=0)(LearnerActor)
+        env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        self.actors = [
+            remote_cls.options(**options[rank], runtime_env=env).remote()
+            for rank in range(num_learners)
+        ]
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
         settings = dataclasses.replace(settings, num_threads=threads)
         self._call_all(

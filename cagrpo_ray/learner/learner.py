@@ -376,16 +376,32 @@ class Learner:
     def send_weights(self, version: int) -> dict:
         """Broadcast the current weights as `version` to the generators. Every rank must call
         it (ZeRO-3 gathers each parameter from all ranks); rank 0 sends. Returns rank 0's
-        `SyncStats` as a dict, or {"error": ...} when the sync failed ({} on other ranks)."""
+        `SyncStats` as a dict, or {"error": ...} when the sync failed ({} on other ranks).
+
+        Rank 0 first waits until every generator worker is there (at most sync.timeout_s) and
+        then releases the other ranks: before that, they would sit in the first parameter
+        gather, on DeepSpeed's collective timeout, holding gathered memory.
+        """
         from cagrpo_ray.sync import WeightSyncError
 
+        error = None
+        if self.rank == 0:
+            if self.weight_sender is None:
+                raise RuntimeError("send_weights before open_weight_sender")
+            try:
+                self.weight_sender.announce(version)
+            except WeightSyncError as exc:
+                error = str(exc)
+        go = torch.tensor([0 if error else 1], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(go, src=0)
+        if not int(go.item()):
+            return {"error": error} if self.rank == 0 else {}
         tensors = self.iter_sync_weights()
         if self.rank != 0:
             for _ in tensors:
                 pass
             return {}
-        if self.weight_sender is None:
-            raise RuntimeError("send_weights before open_weight_sender")
         try:
             stats = self.weight_sender.send(tensors, version)
         except WeightSyncError as exc:

@@ -1,0 +1,118 @@
+"""Placement on a real Ray cluster with fake GPUs: every tensor-parallel group on one node with
+devices of its own, learners packed per node, no GPU shared between roles, and layouts the
+cluster cannot hold refused before anything starts.
+
+Ray accepts GPUs that do not exist (`num_gpus` on a CPU machine) and sets CUDA_VISIBLE_DEVICES
+for the actors that get them; `ray.cluster_utils.Cluster` runs several such nodes here, so the
+7B recipe's two nodes of 8 GPUs are placed for real. Stand-in actors report where they landed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cagrpo_ray.config import load_config
+from cagrpo_ray.placement import Bundle, Placement, PlacementError, check_fits
+
+RECIPE_7B = "configs/gpu-7b-multinode.yaml"
+RECIPE_15B = "configs/gpu-r1-distill-1.5b.yaml"
+
+
+@ray.remote
+class StandIn:
+    """Holds a placement like a generator or learner would, and says where it is."""
+
+    def where(self) -> tuple[str, list[str]]:
+        devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        return ray.get_runtime_context().get_node_id(), [d for d in devices.split(",") if d]
+
+
+def place(config) -> tuple[list, list]:
+    """(generator replicas, learner ranks) as [(node, devices)] under `config`'s placement."""
+    placement = Placement(config, timeout_s=120)
+    try:
+        generators = [
+            StandIn.options(**placement.generator(i)).remote()
+            for i in range(config.rollout.num_generators)
+        ]
+        learners = [
+            StandIn.options(**placement.learner(i)).remote()
+            for i in range(config.learner.num_learners)
+        ]
+        where = ray.get([a.where.remote() for a in generators + learners])
+        for actor in generators + learners:
+            ray.kill(actor)
+        n = len(generators)
+        return where[:n], where[n:]
+    finally:
+        placement.remove()
+
+
+def assert_exclusive(groups: list[tuple[str, list[str]]]) -> None:
+    """No (node, device) pair held by two actors."""
+    held = [(node, d) for node, devices in groups for d in devices]
+    assert len(held) == len(set(held)), held
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head without GPUs (as in k8s/) and two workers of 8 fake GPUs and 48 CPUs each."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
+    workers = [cluster.add_node(num_cpus=48, num_gpus=8) for _ in range(2)]
+    ray.init(address=cluster.address)
+    cluster.wait_for_nodes()
+    yield [w.node_id for w in workers]
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.mark.integration
+def test_the_7b_recipe_lands_on_two_nodes_of_eight_gpus(two_nodes):
+    config = load_config(RECIPE_7B)
+    generators, learners = place(config)
+    assert all(len(devices) == 1 for _, devices in generators + learners)
+    assert_exclusive(generators + learners)
+    assert {node for node, _ in generators + learners} <= set(two_nodes)
+    # learners packed: the 8 ranks fill one node
+    assert len({node for node, _ in learners}) == 1
+
+
+@pytest.mark.integration
+def test_tensor_parallel_groups_stay_on_one_node_with_their_own_gpus(two_nodes):
+    config = load_config(
+        RECIPE_15B,
+        ["rollout.num_generators=4", "rollout.tensor_parallel_size=2", "learner.num_learners=8"],
+    )
+    generators, learners = place(config)
+    assert all(len(devices) == 2 for _, devices in generators)  # one bundle, both GPUs
+    assert all(len(devices) == 1 for _, devices in learners)
+    assert_exclusive(generators + learners)
+    assert len({node for node, _ in learners}) == 1
+
+
+@pytest.mark.integration
+def test_layouts_the_cluster_cannot_hold_are_refused_before_anything_starts(two_nodes):
+    too_wide = load_config(RECIPE_15B, ["rollout.tensor_parallel_size=16"])
+    with pytest.raises(PlacementError, match="generator 0 needs 16 GPUs on one node"):
+        Placement(too_wide, timeout_s=10)
+    too_many = load_config(RECIPE_7B, ["rollout.num_generators=9"])
+    with pytest.raises(PlacementError, match="needs 17 GPUs .* the cluster has 16 GPUs"):
+        Placement(too_many, timeout_s=10)
+    assert ray.util.placement_group_table() == {} or all(
+        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
+    )  # nothing was reserved
+
+
+@pytest.mark.unit
+def test_first_fit_names_what_does_not_fit():
+    nodes = [{"CPU": 8, "GPU": 4}, {"CPU": 8, "GPU": 4}]
+    check_fits([Bundle("generator 0", 1, 4), Bundle("generator 1", 1, 4)], nodes)
+    with pytest.raises(PlacementError, match="generator 2 .* needs 12 GPUs"):
+        check_fits([Bundle(f"generator {i}", 1, 4) for i in range(3)], nodes)
+    with pytest.raises(PlacementError, match="learner 0 needs 8 GPUs on one node"):
+        check_fits([Bundle("learner 0", 1, 8)], nodes)
+    check_fits([Bundle("generator 0", 0.5, 0), Bundle("learner 0", 0.5, 0)], [{"CPU": 2}])
