@@ -293,3 +293,28 @@ def test_build_is_deterministic_for_a_spec(tmp_path):
     infos = [json.loads((p / build.BUILD_INFO).read_text()) for p in (first, second)]
     for key in ("heldout_accuracy_sampled", "heldout_accuracy_greedy", "example_responses"):
         assert infos[0][key] == infos[1][key]
+
+
+@pytest.mark.unit
+def test_a_hub_model_is_fetched_once_into_the_download_dir(tmp_path, monkeypatch):
+    """The driver downloads; the actors get the folder (no hub access here: the download
+    function is replaced by one that records its calls and writes a config)."""
+    import huggingface_hub
+
+    from cagrpo_ray.policies.build import HUB_FILES, resolve_policy
+
+    calls = []
+
+    def fake_download(repo_id, local_dir, allow_patterns):
+        calls.append((repo_id, local_dir, allow_patterns))
+        Path(local_dir).mkdir(parents=True, exist_ok=True)
+        (Path(local_dir) / "config.json").write_text("{}")
+        return str(local_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    got = resolve_policy("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", tmp_path / "models")
+    assert got == str(tmp_path / "models" / "deepseek-ai--DeepSeek-R1-Distill-Qwen-1.5B")
+    assert calls == [("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B", Path(got), HUB_FILES)]
+    assert resolve_policy(got) == got  # the actors' view: a folder, loaded as it is
+    assert resolve_policy("Qwen/Qwen2.5-Math-1.5B") == "Qwen/Qwen2.5-Math-1.5B"  # no dir: as is
+    assert len(calls) == 1

@@ -237,19 +237,39 @@ def ensure_policy(spec: PolicySpec, *, progress: bool = True, threads: int | Non
     return path
 
 
-def resolve_policy(name_or_dir: str | Path) -> str:
+def resolve_policy(name_or_dir: str | Path, download_dir: str | Path | None = None) -> str:
     """A path or hub name that `from_pretrained` and vLLM load.
 
     An existing directory is returned as is; a preset name (see `PRESETS`) is built or taken
     from the cache; anything else is taken as a Hugging Face hub name, e.g.
-    "Qwen/Qwen2.5-Math-1.5B".
+    "Qwen/Qwen2.5-Math-1.5B". With `download_dir`, a hub model is fetched into it once, here,
+    and its local folder is returned: the run's actors then load from that folder (a volume
+    every node mounts) instead of each downloading the same weights into one shared cache.
     """
     if Path(name_or_dir).is_dir():
         return str(name_or_dir)
     if str(name_or_dir) in PRESETS:
         return str(ensure_policy(PRESETS[str(name_or_dir)]))
     check_hub_id(str(name_or_dir))
+    if download_dir is not None:
+        return fetch_hub_model(str(name_or_dir), download_dir)
     return str(name_or_dir)
+
+
+# What a model directory needs to be loaded by transformers and vLLM (no other formats).
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
+
+
+def fetch_hub_model(repo_id: str, download_dir: str | Path) -> str:
+    """Download `repo_id` into `download_dir/<org>--<name>` (at most once at a time, even from
+    several processes: a file lock) and return that folder."""
+    from huggingface_hub import snapshot_download
+
+    target = Path(download_dir) / repo_id.replace("/", "--")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(snapshot_download(repo_id, local_dir=target, allow_patterns=HUB_FILES))
 
 
 class PolicyPathError(ValueError):
