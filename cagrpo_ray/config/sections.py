@@ -1,27 +1,11 @@
-"""The typed configuration: one tree, one place for defaults, loaded from YAML.
-
-Every field has a default and a one-line description. Unknown keys are rejected, and a wrong
-key or value fails before anything starts, with the dotted path of the key, what was given and
-what is allowed:
-
-    algorithm.policy_loss: 'cagrpo2' is not one of grpo, cagrpo, clip_cov, kl_cov
-
-YAML files in `configs/` hold only what differs from these defaults. Command-line overrides
-use dotted paths: `--set algorithm.lr=1e-6 --set rollout.group_size=8`.
-
-Print the resolved tree with `python -m cagrpo_ray.config --config configs/cpu-tiny.yaml`.
-"""
+"""The typed configuration tree: one section per role, every field with a default and a one-line
+description (the help of `python -m cagrpo_ray.config --describe`)."""
 
 from __future__ import annotations
 
-import argparse
-import sys
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from cagrpo_ray.algo.losses import CAGRPO_KERNELS, LOSS_AGG_MODES, POLICY_LOSSES, LossSpec
 from cagrpo_ray.algo.stats import SCOPES
@@ -245,13 +229,62 @@ class AlgorithmConfig(Section):
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
     tis_cap: float | None = Field(
         None,
-        gt=0,
-        description="Truncated importance-sampling cap on behavior->proximal weights (None: off).",
+        ge=0,
+        description="Truncated importance-sampling cap on behavior->proximal weights. None: 2.0 "
+        "when run.max_staleness > 0 (asynchronous samples need the correction), off when 0; "
+        "0: no correction, whatever the schedule (an explicit choice).",
+    )
+    ppo_epochs: int = Field(
+        1, ge=1, description="Passes over each rollout batch (verl's ppo_epochs)."
+    )
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Responses per optimizer step, over all learner ranks (whole groups; None: "
+        "the whole rollout batch, one optimizer step per pass).",
+    )
+    token_stats: Literal["rollout", "minibatch"] = Field(
+        "rollout",
+        description="Where CA-GRPO's kernel weights and the Clip-Cov/KL-Cov selections come "
+        "from: once per rollout batch from the old policy, or per mini-batch from the current "
+        "policy (as verl does).",
+    )
+    measure_policy_change: bool = Field(
+        False,
+        description="After each learner step, score its batch again to log the KL between the "
+        "policies before and after it (policy/kl_step; one more forward pass).",
+    )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling: drop groups whose rewards are all equal (no "
+        "signal) and keep generating until the batch is full.",
+    )
+    max_gen_batches: int = Field(
+        10,
+        ge=1,
+        description="Dynamic sampling: at most this many batches' worth of groups are scored "
+        "for one batch before the run stops with an error.",
+    )
+    overlong: Literal["none", "mask", "penalty"] = Field(
+        "none",
+        description="Truncated responses: trained as they are, masked out of the loss, or "
+        "DAPO's soft overlong penalty on the reward.",
+    )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="Overlong penalty: the last this many tokens before rollout.max_tokens "
+        "where the penalty ramps from 0 to -overlong_penalty_factor.",
+    )
+    overlong_penalty_factor: float = Field(
+        1.0, ge=0, description="Overlong penalty: its size at rollout.max_tokens."
     )
 
     def loss_spec(self) -> LossSpec:
         """The loss and all its options as one typed value, for the learner."""
         options = {name: getattr(self, name) for name in LossSpec.option_names()}
+        if options.get("tis_cap") == 0:
+            options["tis_cap"] = None  # explicitly off
         return LossSpec(self.policy_loss, **options)
 
 
@@ -328,192 +361,3 @@ class Config(Section):
     cluster: ClusterConfig = Field(
         default_factory=ClusterConfig, description="The GPU cluster's shape, for the planner."
     )
-
-
-def _check_across_sections(config: Config) -> Config:
-    """Rules that span sections; each message names the keys and what would be right."""
-    if config.model.dtype == "bfloat16" and config.learner.zero_stage == 0:
-        raise ValueError(
-            "model.dtype bfloat16 needs learner.zero_stage 1, 2 or 3: DeepSpeed accumulates "
-            "stage 0's gradients in bfloat16 only, and the learner accumulates in float32"
-        )
-    for key, value in (
-        ("rollout.num_gpus_per_generator", config.rollout.num_gpus_per_generator),
-        ("learner.num_gpus_per_learner", config.learner.num_gpus_per_learner),
-    ):
-        if value != int(value):
-            raise ValueError(
-                f"{key}: {value:g} is a fraction of a GPU, which would put two actors (and two "
-                "ranks of the weight-sync group) on one GPU; NCCL refuses that and colocated "
-                "layouts are not supported: use whole GPUs (0 on the CPU)"
-            )
-    if config.sync.timeout_s >= config.learner.dist_timeout_s:
-        raise ValueError(
-            f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "
-            f"({config.learner.dist_timeout_s:g}): learner ranks wait in a collective while rank "
-            "0 waits for the generators"
-        )
-    return config
-
-
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names the key and what is allowed."""
-
-
-def _section_at(path: tuple) -> type[BaseModel] | None:
-    model: type[BaseModel] | None = Config
-    for part in path:
-        if model is None or not isinstance(part, str) or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        model = (
-            annotation
-            if isinstance(annotation, type) and issubclass(annotation, BaseModel)
-            else None
-        )
-    return model
-
-
-def _describe(error: dict) -> str:
-    loc = tuple(error["loc"])
-    dotted = ".".join(str(p) for p in loc)
-    given = error.get("input")
-    if error["type"] == "extra_forbidden":
-        parent = _section_at(loc[:-1])
-        allowed = ", ".join(parent.model_fields) if parent else "?"
-        return f"{dotted}: unknown key; allowed keys here: {allowed}"
-    if error["type"] == "literal_error":
-        field = _section_at(loc[:-1])
-        choices = typing.get_args(field.model_fields[loc[-1]].annotation) if field else ()
-        allowed = ", ".join(str(c) for c in choices) or error.get("ctx", {}).get("expected", "?")
-        return f"{dotted}: {given!r} is not one of {allowed}"
-    if error["type"] == "value_error" and isinstance(given, dict):
-        # a section's own check (e.g. run.mode against run.max_staleness): its message names
-        # the keys, the whole section would only be noise
-        return f"{dotted}: {error['msg'].removeprefix('Value error, ')}"
-    return f"{dotted}: {given!r} is invalid: {error['msg']}"
-
-
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {part!r} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> dict:
-    """`["algorithm.lr=1e-6", ...]` -> nested dict; values are parsed as YAML scalars."""
-    tree: dict = {}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {item!r}: expected dotted.key=value")
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
-    return tree
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def from_dict(tree: dict) -> Config:
-    """Validate a nested dict; raises ConfigError listing every wrong key or value."""
-    try:
-        config = Config.model_validate(tree)
-    except ValidationError as exc:
-        lines = [_describe(e) for e in exc.errors()]
-        raise ConfigError("invalid config:\n  " + "\n  ".join(lines)) from None
-    try:
-        return _check_across_sections(config)
-    except ValueError as exc:
-        raise ConfigError(f"invalid config:\n  {exc}") from None
-
-
-def load_config(
-    path: str | Path | list[str | Path] | None = None, overrides: list[str] | None = None
-) -> Config:
-    """Load YAML (or the defaults when path is None), apply `--set` overrides, validate.
-
-    `path` may be a list of files: later files override earlier ones key by key (e.g. the
-    async schedule of configs/async.yaml under a GPU recipe).
-    """
-    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
-    tree: dict = {}
-    for one in paths:
-        layer = yaml.safe_load(Path(one).read_text()) or {}
-        if not isinstance(layer, dict):
-            raise ConfigError(f"{one}: the top level must be a mapping of sections")
-        tree = _merge(tree, layer)
-    tree = _merge(tree, parse_overrides(overrides or []))
-    try:
-        return from_dict(tree)
-    except ConfigError as exc:
-        where = f"{', '.join(map(str, paths))}: " if paths else ""
-        raise ConfigError(f"{where}{exc}") from None
-
-
-def to_yaml(config: Config) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-
-
-def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, default and description (for `--describe`)."""
-    lines = []
-    for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            lines += describe_fields(annotation, f"{prefix}{name}.")
-            continue
-        default = field.get_default(call_default_factory=True)
-        lines.append(f"{prefix}{name} = {default!r}  # {field.description}")
-    return lines
-
-
-def add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        action="append",
-        help="YAML config (only what differs from the defaults); repeat to layer files, later "
-        "ones overriding earlier ones key by key.",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="Override one field by dotted path, e.g. --set algorithm.lr=1e-6 (repeatable).",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m cagrpo_ray.config", description="Print the resolved configuration."
-    )
-    add_config_args(parser)
-    parser.add_argument("--describe", action="store_true", help="List every field with its help.")
-    args = parser.parse_args(argv)
-    if args.describe:
-        print("\n".join(describe_fields()))
-        return 0
-    try:
-        config = load_config(args.config, args.overrides)
-    except (ConfigError, OSError) as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    print(to_yaml(config), end="")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Rules that span sections, checked once the tree has validated; each message names the keys
+and what would be right."""
+
+from __future__ import annotations
+
+from cagrpo_ray.config.sections import Config
+
+DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise
+
+
+def check_across_sections(config: Config) -> Config:
+    """Rules that span sections; each message names the keys and what would be right."""
+    if config.model.dtype == "bfloat16" and config.learner.zero_stage == 0:
+        raise ValueError(
+            "model.dtype bfloat16 needs learner.zero_stage 1, 2 or 3: DeepSpeed accumulates "
+            "stage 0's gradients in bfloat16 only, and the learner accumulates in float32"
+        )
+    a, r, lcfg = config.algorithm, config.rollout, config.learner
+    if a.tis_cap is None and config.run.max_staleness > 0:
+        # set on the validated model: `object.__setattr__` skips re-validation
+        object.__setattr__(a, "tis_cap", DEFAULT_TIS_CAP)
+    batch = r.prompts_per_step * r.group_size
+    if a.mini_batch_size is not None:
+        size = a.mini_batch_size
+        if size % r.group_size or batch % size or (size // r.group_size) % lcfg.num_learners:
+            raise ValueError(
+                f"algorithm.mini_batch_size {size} must hold whole prompt groups "
+                f"(rollout.group_size {r.group_size}), divide the rollout batch "
+                f"({r.prompts_per_step} x {r.group_size} = {batch} responses) and split evenly "
+                f"over the {lcfg.num_learners} learner ranks"
+            )
+    if a.overlong == "penalty" and not 0 < a.overlong_buffer_len <= r.max_tokens:
+        raise ValueError(
+            f"algorithm.overlong 'penalty' needs 0 < algorithm.overlong_buffer_len <= "
+            f"rollout.max_tokens ({r.max_tokens}), got {a.overlong_buffer_len}"
+        )
+    for key, value in (
+        ("rollout.num_gpus_per_generator", config.rollout.num_gpus_per_generator),
+        ("learner.num_gpus_per_learner", config.learner.num_gpus_per_learner),
+    ):
+        if value != int(value):
+            raise ValueError(
+                f"{key}: {value:g} is a fraction of a GPU, which would put two actors (and two "
+                "ranks of the weight-sync group) on one GPU; NCCL refuses that and colocated "
+                "layouts are not supported: use whole GPUs (0 on the CPU)"
+            )
+    if config.sync.timeout_s >= config.learner.dist_timeout_s:
+        raise ValueError(
+            f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "
+            f"({config.learner.dist_timeout_s:g}): learner ranks wait in a collective while rank "
+            "0 waits for the generators"
+        )
+    return config
