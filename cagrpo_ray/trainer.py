@@ -58,7 +58,8 @@ def learner_settings(config: Config, model_path: str):
     """The learners' `LearnerSettings` from the config (the loss is `algorithm.loss_spec()`)."""
     from cagrpo_ray.learner.settings import LearnerSettings
 
-    a, lcfg = config.algorithm, config.learner
+    a, lcfg, r = config.algorithm, config.learner, config.rollout
+    responses = r.prompts_per_step * r.group_size
     return LearnerSettings(
         model_path=model_path,
         zero_stage=lcfg.zero_stage,
@@ -74,6 +75,10 @@ def learner_settings(config: Config, model_path: str):
         gradient_checkpointing=lcfg.gradient_checkpointing,
         logits_chunk_mib=lcfg.logits_chunk_mib,
         dist_timeout_s=lcfg.dist_timeout_s,
+        ppo_epochs=a.ppo_epochs,
+        mini_batches=responses // (a.mini_batch_size or responses),
+        token_stats=a.token_stats,
+        measure_policy_change=a.measure_policy_change,
     )
 
 

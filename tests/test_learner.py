@@ -6,6 +6,7 @@ checks are in test_learner_group.py.
 
 from __future__ import annotations
 
+import math
 import socket
 
 import pytest
@@ -264,3 +265,77 @@ def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path)
     for name, value in snapshot(learner).items():
         assert torch.equal(exported.state_dict()[name], value), name
     assert (out / "tokenizer.json").exists() or (out / "tokenizer_config.json").exists()
+
+
+# ------------------------------------------------------------------- several updates per batch
+
+
+def several_updates(policy_path, one_rank, loss="cagrpo", micro=32, **settings):
+    return Learner(
+        LearnerSettings(
+            str(policy_path), zero_stage=2, lr=1e-2, micro_batch_size=micro, **settings
+        ),  # fmt: skip
+        LossSpec(loss, clip_eps_low=0.1, clip_eps_high=0.1),
+        **one_rank,
+    )
+
+
+@pytest.mark.integration
+def test_epochs_and_mini_batches_move_the_ratio_and_the_clip_binds(policy_path, one_rank):
+    batch = random_batch(num_groups=8, group_size=4, seed=5)
+    one = several_updates(policy_path, one_rank).train_step(batch)
+    assert one["policy/ratio_max"] == 1.0 and one["policy/clip_frac"] == 0.0  # on-policy
+    assert "policy/ratio_max_last" not in one  # one update: its own metrics, unchanged
+
+    learner = several_updates(policy_path, one_rank, ppo_epochs=2, mini_batches=2)
+    metrics = learner.train_step(batch)
+    assert metrics["learner/updates"] == 4.0
+    # from the second update on the policy has moved away from the one that scored the batch
+    assert metrics["policy/ratio_max_last"] > 1.01
+    assert metrics["policy/clip_frac_last"] > 0.0
+    assert metrics["policy/approx_kl_last"] > 0.0
+    # the step's statistics are the rollout batch's, computed once
+    assert metrics["learner/tokens"] == one["learner/tokens"]
+    assert metrics["cov/std"] == one["cov/std"]
+
+
+@pytest.mark.integration
+def test_mini_batch_updates_do_not_depend_on_the_micro_batch_size(policy_path, one_rank):
+    batch = random_batch(num_groups=8, group_size=4, seed=6)
+    results = []
+    for micro in (16, 5):  # one micro-batch per mini-batch; four, uneven
+        learner = several_updates(policy_path, one_rank, micro=micro, mini_batches=2)
+        results.append((learner.train_step(batch), snapshot(learner)))
+    (a, params_a), (b, params_b) = results
+    assert a["loss/total"] == pytest.approx(b["loss/total"], rel=1e-5, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for name, value in params_a.items():
+        torch.testing.assert_close(value, params_b[name], rtol=0, atol=1e-3 * 2)
+
+
+@pytest.mark.integration
+def test_kernel_weights_from_the_rollout_or_the_current_policy(policy_path, one_rank):
+    batch = random_batch(num_groups=8, group_size=4, seed=7)
+    snapshots = {}
+    for token_stats in ("rollout", "minibatch"):
+        learner = several_updates(policy_path, one_rank, mini_batches=2, token_stats=token_stats)
+        metrics = learner.train_step(batch)
+        assert metrics["learner/updates"] == 2.0
+        snapshots[token_stats] = snapshot(learner)
+    # the first update is the same; the second's weights come from different log-probs
+    differs = [
+        not torch.equal(snapshots["rollout"][n], snapshots["minibatch"][n])
+        for n in snapshots["rollout"]
+    ]
+    assert any(differs)
+
+
+@pytest.mark.integration
+def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
+    batch = random_batch(seed=8)
+    learner = several_updates(policy_path, one_rank, measure_policy_change=True)
+    metrics = learner.train_step(batch)
+    assert metrics["policy/kl_step"] > 0.0  # k3: never negative, 0 only if nothing moved
+    assert math.isfinite(metrics["policy/kl_step_k1"])  # k1: unbiased on sampled tokens only
+    quiet = several_updates(policy_path, one_rank).train_step(batch)
+    assert "policy/kl_step" not in quiet

@@ -55,6 +55,10 @@ class PreparedLoss:
             kl_penalty=_rows(self.kl_penalty, index),
         )
 
+    def with_normalisers(self, num_tokens: float, num_seqs: float) -> PreparedLoss:
+        """The same statistics with another (mini-)batch's token and sequence counts."""
+        return replace(self, num_tokens=num_tokens, num_seqs=num_seqs)
+
 
 @dataclass(frozen=True)
 class BatchInputs:

@@ -8,7 +8,6 @@ takes part in every collective, so all ranks call the same methods in the same o
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -21,33 +20,30 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.algo import (
     LossSpec,
-    policy_loss,
-    prepare_loss_inputs,
-    truncated_is_weights,
 )
-from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch
+from cagrpo_ray.learner.batch import BATCH_KEYS
 from cagrpo_ray.learner.distributed import (
-    RankReducer,
     all_reduce_,
-    data_parallel_group,
     deepspeed_config,
     init_data_parallel,
     rng_state,
     seed_everything,
     set_rng_state,
 )
+from cagrpo_ray.learner.ppo import PPOSteps
 from cagrpo_ray.learner.scorer import TokenScorer
 from cagrpo_ray.learner.settings import LearnerSettings
 
 _CHECKPOINT_TAG = "learner"
 
 
-class Learner:
+class Learner(PPOSteps):
     """One rank of the data-parallel policy learner (DeepSpeed ZeRO stage 0 to 3).
 
-    One `train_step` is one optimizer step on the rank's shard of the batch; the loss is
-    normalized over the whole batch across ranks, so the update does not depend on how the
-    batch is cut into micro-batches and ranks.
+    `train_step` (ppo.py) is one learner step on the rank's shard of a rollout batch: by
+    default one optimizer step on the whole batch, or `ppo_epochs` passes over its
+    mini-batches; each update's loss is normalised over its (mini-)batch across ranks, so it
+    does not depend on how the batch is cut into micro-batches and ranks.
     """
 
     def __init__(
@@ -174,122 +170,6 @@ class Learner:
 
     # ----------------------------------------------------------------------------- update
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step on this rank's shard of the learner batch.
-
-        batch: the learner batch of docs/architecture.md (keys `BATCH_KEYS`, whole prompt
-        groups of one size). Every rank must call it, each with its own shard. Returns
-        metrics that are equal on every rank (reduced over micro-batches and ranks).
-        """
-        start = time.perf_counter()
-        batch = self._to_device(check_batch(batch))
-        mask = batch["response_mask"]
-        micro = self._micro_batches(mask.shape[0])
-        reducer = RankReducer(self.device)
-        tokens = mask.sum()
-        reducer.sum("learner/tokens", tokens)
-        reducer.sum("learner/responses", mask.shape[0])
-
-        # (1) Proximal log-probs under the current weights: the ratio's denominator, and what
-        # the loss's batch statistics (kernel weights, Clip-Cov/KL-Cov selections) are taken on.
-        old_logprobs, entropy, ref_logprobs = self._score(batch, micro)
-        mismatch = (old_logprobs - batch["behavior_logprobs"]).abs()[mask]
-        reducer.mean("logprob/mismatch_mean", mismatch.mean() if tokens else 0.0, tokens)
-        reducer.max("logprob/mismatch_max", mismatch.max() if tokens else 0.0)
-        reducer.mean("entropy/mean", entropy[mask].mean() if tokens else 0.0, tokens)
-        is_weights = None
-        if self.loss.tis_cap is not None:  # the off-policy correction (algo/off_policy.py)
-            is_weights, tis_metrics = truncated_is_weights(
-                old_logprobs, batch["behavior_logprobs"], mask, self.loss.tis_cap
-            )
-            for name, value in tis_metrics.items():
-                reducer.mean(name, value, tokens)
-
-        # (2) Group-relative advantages, computed when the groups were scored (one source).
-        advantages = batch["advantages"]
-        reducer.mean("reward/mean", batch["rewards"].mean(), mask.shape[0])
-        reducer.mean("advantage/abs_mean", advantages.abs().mean(), mask.shape[0])
-
-        # (3) Batch statistics and normalisers, once over the whole batch on all ranks.
-        process_group = data_parallel_group()
-        prepared = prepare_loss_inputs(
-            self.loss,
-            old_logprobs,
-            advantages,
-            mask,
-            batch["group_ids"],
-            seed=self.settings.seed * 1_000_003 + self.step,
-            max_response_length=self._max_response_length(mask),
-            process_group=process_group,
-        )
-        for name, value in prepared.metrics.items():
-            self._reduce_batch_metric(reducer, name, value, tokens)
-
-        # (4) Micro-batches: each backward adds its share of the batch loss to the gradients.
-        lr = float(self.engine.optimizer.param_groups[0]["lr"])
-        for index, rows in enumerate(micro):
-            padding = rows.numel() == 0
-            if padding:  # another rank has more micro-batches; ZeRO needs as many passes here
-                rows = torch.zeros(1, dtype=torch.long)
-            self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
-            with_entropy = bool(self.loss.entropy_coef)
-            logprobs, entropy = self._scores(self.engine, batch, rows, with_entropy)
-            out = policy_loss(
-                self.loss,
-                logprobs,
-                old_logprobs[rows],
-                advantages[rows],
-                mask[rows],
-                ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                entropy=entropy,
-                is_weights=None if is_weights is None else is_weights[rows],
-                prepared=prepared.rows(rows),
-            )
-            loss = out.loss * 0.0 if padding else out.loss
-            if not padding:
-                for name, value in out.metrics.items():
-                    if name not in prepared.metrics and name != "entropy/mean":
-                        self._reduce_micro_batch_metric(reducer, name, value, mask[rows].sum())
-            # The loss is already divided by the global token count; DeepSpeed averages the
-            # gradients over ranks, which the factor world_size undoes.
-            self.engine.backward(loss * self.world_size)
-        grad_norm = self._grad_norm_before_step()
-        self.engine.step()
-        self.step += 1
-
-        metrics = reducer.reduce()
-        metrics.update(
-            {
-                "grad_norm": grad_norm if grad_norm is not None else self._grad_norm_after_step(),
-                "lr": lr,
-                "learner/step": float(self.step),
-                "time/train_step_s": time.perf_counter() - start,
-            }
-        )
-        return metrics
-
-    @staticmethod
-    def _reduce_micro_batch_metric(reducer: RankReducer, name: str, value: float, tokens) -> None:
-        """policy_loss's per-call metrics: loss shares and counts add up over micro-batches
-        and ranks, maxima take the max, the rest are token-weighted means."""
-        if name in ("loss/total", "policy/loss", "policy/tokens"):
-            reducer.sum(name, value)
-        elif name.endswith("_max"):
-            reducer.max(name, value)
-        else:
-            reducer.mean(name, value, tokens)
-
-    @staticmethod
-    def _reduce_batch_metric(reducer: RankReducer, name: str, value: float, tokens) -> None:
-        """prepare_loss_inputs' statistics are per rank: min and max combine exactly, means
-        (and quantiles, approximately) token-weighted."""
-        if name.endswith("_min"):
-            reducer.min(name, value)
-        elif name.endswith("_max"):
-            reducer.max(name, value)
-        else:
-            reducer.mean(name, value, tokens)
-
     def _max_response_length(self, mask: torch.Tensor) -> int:
         """Dr.GRPO's constant L: the configured one, else the longest response in the batch."""
         if self.settings.max_response_length is not None:
@@ -306,15 +186,19 @@ class Learner:
         return out
 
     @torch.no_grad()
-    def _score(self, batch, micro):
+    def _score(self, batch, micro, full: bool = True):
         """Recomputed log-probs, token entropies, and reference log-probs (None without a
-        reference policy), each [B, L], under no_grad, micro-batch by micro-batch."""
+        reference policy), each [B, L], under no_grad, micro-batch by micro-batch. With
+        `full=False` only the log-probs (entropy and reference are None)."""
         logprobs = torch.zeros_like(batch["behavior_logprobs"])
-        entropy = torch.zeros_like(logprobs)
-        ref = torch.zeros_like(logprobs) if self.ref_model is not None else None
+        entropy = torch.zeros_like(logprobs) if full else None
+        ref = torch.zeros_like(logprobs) if full and self.ref_model is not None else None
         for rows in micro:
             rows = rows if rows.numel() else torch.zeros(1, dtype=torch.long)
-            logprobs[rows], entropy[rows] = self._scores(self.engine, batch, rows, True)
+            values, token_entropy = self._scores(self.engine, batch, rows, full)
+            logprobs[rows] = values
+            if full:
+                entropy[rows] = token_entropy
             if ref is not None:
                 ref[rows] = self._scores(self.ref_model, batch, rows, False)[0]
         return logprobs, entropy, ref

@@ -24,6 +24,11 @@ class LearnerSettings:
     gradient_checkpointing: recompute each decoder layer in the backward pass instead of
         keeping its activations (non-reentrant; the model stays in train mode, dropout 0).
     logits_chunk_mib: memory for one chunk of the output head's float32 work (`scorer.py`).
+    ppo_epochs: passes over each rollout batch.
+    mini_batches: optimizer steps per pass (each over 1 / mini_batches of the batch).
+    token_stats: "rollout" (the loss's batch statistics fixed once per rollout batch from the
+        old policy) or "minibatch" (recomputed per mini-batch from the current policy).
+    measure_policy_change: score the batch again after the step: KL(before || after).
     num_threads: torch CPU threads of this rank.
     dist_timeout_s: timeout of the data-parallel collectives.
     """
@@ -42,6 +47,10 @@ class LearnerSettings:
     dtype: str = "float32"
     gradient_checkpointing: bool = False
     logits_chunk_mib: float = 1024.0
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    token_stats: str = "rollout"
+    measure_policy_change: bool = False
     num_threads: int = 1
     dist_timeout_s: float = 1800.0
 
@@ -52,6 +61,13 @@ class LearnerSettings:
             raise ValueError(
                 f"temperature must be positive (the sampling one), got {self.temperature}"
             )
+        if self.ppo_epochs < 1 or self.mini_batches < 1:
+            raise ValueError(
+                f"ppo_epochs and mini_batches must be >= 1, got {self.ppo_epochs}, "
+                f"{self.mini_batches}"
+            )
+        if self.token_stats not in ("rollout", "minibatch"):
+            raise ValueError(f"token_stats {self.token_stats!r} is not one of rollout, minibatch")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"dtype {self.dtype!r} is not one of float32, bfloat16 (float16 needs loss "
