@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cagrpo_ray.data.files import PromptFileError
+    from cagrpo_ray.placement import PlacementError
     from cagrpo_ray.policies.build import PolicyPathError
+    from cagrpo_ray.scheduler import DynamicSamplingError
     from cagrpo_ray.trainer import Trainer, required_cpus
 
     address = os.environ.get("RAY_ADDRESS")
@@ -54,10 +56,13 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
     try:
         summary = Trainer(config, resume=args.resume).run()
-    except (PromptFileError, PolicyPathError) as exc:
+    except (PromptFileError, PolicyPathError, PlacementError) as exc:
         # bad input found once the run looks at it: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except DynamicSamplingError as exc:  # the latest checkpoint stays as it was
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(final_report(summary))
     return 0
 

@@ -48,15 +48,19 @@ import pyarrow as pa
 import ray
 import torch
 
-from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
+from cagrpo_ray.rollout.scoring import score_groups
 from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling found too few groups with a signal within its bound."""
 
 
 def admissible_groups(
@@ -150,6 +154,9 @@ class Scheduler:
         self.learn_refs: list = []
         self.tokens_generated = 0.0
         self.verifier_errors = 0
+        self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
+        self.scored_since_batch = 0  # groups scored toward the next batch
+        self.overlong_penalized = 0
 
     # ------------------------------------------------------------------- state
 
@@ -188,6 +195,7 @@ class Scheduler:
         t_start = time.perf_counter()
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
+        filtered_before, penalized_before = self.filtered_groups, self.overlong_penalized
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
         min_version = self.policy_version - self.max_staleness
@@ -195,14 +203,20 @@ class Scheduler:
             self.buffer.drop_stale(min_version)
             if len(self.buffer) >= P:
                 break
+            self._check_dynamic_sampling()
             self._pump()
         # Groups arrive in completion order; the learner sees them in the order they were
         # started, so the batch does not depend on which replica finished first.
         table = self.buffer.take(P, min_version=min_version).sort_by("group_id")
+        # groups already kept for the next batch count toward it
+        scored, self.scored_since_batch = self.scored_since_batch, len(self.buffer)
         t_batch = time.perf_counter()
 
         # (2) Train on it; the learner runs its pending weight send first (actor order).
         batch = to_learner_batch(table, pad_token_id=self.tokenizer.pad_token_id)
+        if cfg.algorithm.overlong == "mask":  # truncated responses carry no loss
+            truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
+            batch["response_mask"][torch.from_numpy(truncated)] = False
         staleness = self.policy_version - batch["policy_version"]
         self.learn_refs = self.learners.submit_train_step(batch)
         while self._pending(self.learn_refs):
@@ -245,6 +259,9 @@ class Scheduler:
                 "buffer/depth_groups": len(self.buffer),
                 "buffer/dropped_stale_groups": self.buffer.dropped_stale,
                 "buffer/dropped_this_step": self.buffer.dropped_stale - dropped_before,
+                "dynamic_sampling/filtered_groups": self.filtered_groups - filtered_before,
+                "dynamic_sampling/scored_groups": scored,
+                "reward/overlong_penalized": self.overlong_penalized - penalized_before,
                 "staleness/mean": float(staleness.float().mean()),
                 "staleness/max": int(staleness.max()),
                 "staleness/values": staleness.numpy(),
@@ -376,25 +393,41 @@ class Scheduler:
         chunk, groups = self.reward_refs.pop(ref)
         results = self._wait([ref], "verifiers")[0]
         g = self.config.rollout.group_size
-        rewards = np.array([r.reward for r in results], dtype=np.float32)
-        correct = [r.correct for r in results]
         self.verifier_errors += sum(r.error is not None for r in results)
-        advantages = group_advantages(
-            torch.from_numpy(rewards), g, std_normalize=self.config.algorithm.std_normalize
-        ).numpy()
+        lengths = [len(c.token_ids) for group in groups for c in group]
+        scored = score_groups(
+            results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens
+        )
+        self.overlong_penalized += scored.penalized
         for k, (index, group_id, group) in enumerate(
             zip(chunk.indices, chunk.group_ids, groups, strict=True)
         ):
+            self.scored_since_batch += 1
+            if not scored.keep[k]:
+                self.filtered_groups += 1  # all rewards equal: no signal (dynamic sampling)
+                continue
             sl = slice(k * g, (k + 1) * g)
             self.buffer.add(
                 group_record_batch(
                     self.train_source[index].uid,
                     group_id,
                     group,
-                    rewards[sl].tolist(),
-                    correct[sl],
-                    advantages[sl].tolist(),
+                    scored.rewards[sl].tolist(),
+                    scored.correct[sl],
+                    scored.advantages[sl].tolist(),
                 )
+            )
+
+    def _check_dynamic_sampling(self) -> None:
+        """Stop, rather than generate forever, when too few groups carry a signal."""
+        a, P = self.config.algorithm, self.config.rollout.prompts_per_step
+        if a.dynamic_sampling and self.scored_since_batch >= a.max_gen_batches * P:
+            raise DynamicSamplingError(
+                f"dynamic sampling: {self.scored_since_batch} groups were scored for learner "
+                f"step {self.step + 1} and only {len(self.buffer)} of the {P} needed had "
+                f"rewards that differ (algorithm.max_gen_batches is {a.max_gen_batches}); the "
+                "task gives (nearly) every group equal rewards: make it harder or easier, or "
+                "turn algorithm.dynamic_sampling off"
             )
 
     def _resync(self) -> None:

@@ -88,8 +88,9 @@ class RecordingTrainer(Trainer):
 
         def recording_take(*args, **kwargs):
             table = take(*args, **kwargs)
-            if table is not None:
-                self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
+            if table is not None:  # in the order the learner sees it: by group id
+                prompts = table.sort_by("group_id").column("prompt_uid").to_pylist()
+                self.trained_prompts += prompts[::group_size]
             return table
 
         buffer.take = recording_take

@@ -1,0 +1,59 @@
+"""DAPO's dynamic sampling end to end (real Ray, vLLM, DeepSpeed on the CPU): no batch holds a
+group whose rewards are all equal, and a task that only ever gives equal rewards stops with a
+clear error after its bound instead of generating forever."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from cagrpo_ray.config import load_config
+from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.scheduler import DynamicSamplingError
+from cagrpo_ray.trainer import Trainer
+
+pytestmark = pytest.mark.integration
+
+
+def overrides(tmp_path, name, *extra):
+    return [
+        "model.path=chain_sum",
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        "run.steps=3",
+        "run.checkpoint_every=0",
+        "run.save_policy=never",
+        "data.eval_size=8",
+        "eval.samples=2",
+        "metrics.port=0",
+        "algorithm.dynamic_sampling=true",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=3, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
+def test_no_batch_holds_a_group_without_signal(local_ray, tmp_path):
+    config = load_config("configs/cpu-tiny.yaml", overrides(tmp_path, "dynamic"))
+    Trainer(config).run()
+    records = read_metrics(tmp_path / "dynamic" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["reward/equal_reward_groups"] == 0.0 for r in records)
+    # groups were dropped (about half have equal rewards on this task) and replaced
+    assert sum(r["dynamic_sampling/filtered_groups"] for r in records) > 0
+    assert all(r["dynamic_sampling/scored_groups"] >= 16 for r in records)
+
+
+def test_a_task_without_signal_stops_at_the_bound(local_ray, tmp_path):
+    # the format reward alone: (nearly) every response is well-formed, so groups tie
+    config = load_config(
+        "configs/cpu-tiny.yaml",
+        overrides(tmp_path, "flat", "reward.weights={format: 1.0}", "algorithm.max_gen_batches=2"),
+    )
+    with pytest.raises(DynamicSamplingError, match=r"algorithm.max_gen_batches is 2"):
+        Trainer(config).run()
