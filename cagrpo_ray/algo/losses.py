@@ -33,9 +33,10 @@ pi_old's log-probs like CA-GRPO's (verl uses pi's, equal on the first, on-policy
 
 Options: one `LossSpec`
 -----------------------
-A loss gets every option as one typed object, `LossSpec`, built from the config's `algorithm`
-section (`AlgorithmConfig.loss_spec()`); adding an option is a field there and here, and its
-use in the loss. The registry's names are the config's allowed `algorithm.policy_loss` values.
+A loss gets every option as one typed object, `LossSpec` (`registry.py`), built from the
+config's `algorithm` section (`AlgorithmConfig.loss_spec()`); adding an option is a field there
+and in the config, and its use in the loss. The registry's names are the config's allowed
+`algorithm.policy_loss` values. Aggregation modes: `aggregation.py`.
 
 Computed once per batch, then micro-batched
 -------------------------------------------
@@ -65,12 +66,12 @@ Adding a loss is one function and one name:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from cagrpo_ray.algo.aggregation import LOSS_AGG_MODES, aggregate
 from cagrpo_ray.algo.batch_stats import (
     BatchInputs,
     PreparedLoss,
@@ -79,11 +80,19 @@ from cagrpo_ray.algo.batch_stats import (
     clip_cov_statistics,
     covariance_diagnostics,
     kl_cov_statistics,
-    no_statistics,
 )
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
 from cagrpo_ray.algo.off_policy import weight_gradient
-from cagrpo_ray.algo.stats import SCOPES, RowLayout, float_mask, global_count
+from cagrpo_ray.algo.registry import (
+    CAGRPO_KERNELS,
+    POLICY_LOSSES,
+    LossInputs,
+    LossSpec,
+    as_spec,
+    lookup_loss,
+    register_policy_loss,
+)
+from cagrpo_ray.algo.stats import RowLayout, float_mask, global_count
 
 __all__ = [
     "CAGRPO_KERNELS",
@@ -104,124 +113,7 @@ __all__ = [
     "token_covariance",
 ]
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-CAGRPO_KERNELS = ("normalized", "unnormalized", "ones")
-
 LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl does), so exp never overflows
-
-
-@dataclass(frozen=True)
-class LossSpec:
-    """Every option of a policy loss, in one typed value (the defaults are the config's).
-
-    name: the registered loss ("grpo", "cagrpo", "clip_cov", "kl_cov", ...).
-    loss_agg: how token losses aggregate (`aggregate`).
-    clip_eps_low, clip_eps_high: PPO clip range [1 - eps_low, 1 + eps_high] (DAPO: 0.2, 0.28).
-    cov_scope: CA-GRPO's token set S, "group" (a prompt group's tokens) or "batch".
-    cagrpo_kernel: "normalized" (the paper's w~), or the ablations "unnormalized" (w) and
-        "ones" (every weight 1: GRPO bit for bit).
-    clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance band.
-    kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens and coefficient of |log r|.
-    kl_coef: k3 KL penalty to a reference policy (0: off).
-    entropy_coef: entropy bonus (0: off).
-    tis_cap: truncation of the behavior->proximal importance weight (None: no correction;
-        see `off_policy.py`).
-    """
-
-    name: str = "cagrpo"
-    loss_agg: str = "token-mean"
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    cov_scope: str = "group"
-    cagrpo_kernel: str = "normalized"
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    kl_cov_coef: float = 1.0
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    tis_cap: float | None = None
-
-    def __post_init__(self) -> None:
-        _lookup(self.name)
-        for value, allowed, what in (
-            (self.loss_agg, LOSS_AGG_MODES, "loss_agg"),
-            (self.cagrpo_kernel, CAGRPO_KERNELS, "cagrpo_kernel"),
-            (self.cov_scope, SCOPES, "cov_scope"),
-        ):
-            if value not in allowed:
-                raise ValueError(f"{what} {value!r} is not one of {', '.join(allowed)}")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be positive or None (off), got {self.tis_cap}")
-
-    @classmethod
-    def option_names(cls) -> tuple[str, ...]:
-        """The fields other than `name` (each one an `algorithm.<field>` of the config)."""
-        return tuple(f.name for f in fields(cls) if f.name != "name")
-
-
-def as_spec(spec: LossSpec | str, options: dict) -> LossSpec:
-    """A `LossSpec` from a spec or a loss name, with `options` (LossSpec fields) replaced."""
-    unknown = set(options) - set(LossSpec.option_names())
-    if unknown:
-        raise TypeError(f"{sorted(unknown)} are not LossSpec options; those are "
-                        f"{', '.join(LossSpec.option_names())}")  # fmt: skip
-    if isinstance(spec, str):
-        return LossSpec(spec, **options)
-    return replace(spec, **options) if options else spec
-
-
-# ----------------------------------------------------------------------------------------------
-# The registry and the losses
-# ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """What a registered loss sees for one micro-batch; every tensor [B, T] unless noted."""
-
-    logprobs: Tensor  # log pi(o_t), with gradient
-    log_ratio: Tensor  # log r_t = log pi - log pi_old, 0 off the mask, clamped to +-20
-    ratio: Tensor  # r_t
-    advantages: Tensor  # [B, 1] A_i
-    mask: Tensor  # float32 0/1
-    num_valid: float  # valid tokens in this micro-batch
-    prepared: PreparedLoss  # this micro-batch's rows of the batch statistics
-    spec: LossSpec  # the loss's options
-
-
-TokenLossFn = Callable[[LossInputs], tuple[Tensor, dict[str, float]]]
-StatisticsFn = Callable[[BatchInputs], TokenStats]
-
-
-@dataclass(frozen=True)
-class RegisteredLoss:
-    token_loss: TokenLossFn
-    statistics: StatisticsFn
-
-
-POLICY_LOSSES: dict[str, RegisteredLoss] = {}
-
-
-def register_policy_loss(name: str, statistics: StatisticsFn = no_statistics):
-    """Register `fn(x: LossInputs) -> (per-token loss [B, T], metrics)` under `name`.
-
-    `statistics(b: BatchInputs) -> TokenStats` computes what the loss needs from the whole
-    batch (e.g. token weights); it runs once per batch in `prepare_loss_inputs`.
-    """
-
-    def decorator(fn: TokenLossFn) -> TokenLossFn:
-        POLICY_LOSSES[name] = RegisteredLoss(fn, statistics)
-        return fn
-
-    return decorator
-
-
-def _lookup(name: str) -> RegisteredLoss:
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is not one of {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
 
 
 def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
@@ -277,28 +169,8 @@ def kl_cov(x: LossInputs) -> tuple[Tensor, dict[str, float]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Aggregation and the public entry points
+# The public entry points
 # ----------------------------------------------------------------------------------------------
-
-
-def aggregate(values: Tensor, mask: Tensor, mode: str, prepared: PreparedLoss) -> Tensor:
-    """Reduce per-token values [B, T] to this micro-batch's share of the batch loss.
-
-        token-mean:               sum_{i,t} m_it l_it / N_tokens
-        seq-mean-token-mean:      sum_i (sum_t m_it l_it / sum_t m_it) / N_seqs
-        seq-mean-token-sum-norm:  sum_{i,t} m_it l_it / (N_seqs * L)            (Dr.GRPO)
-
-    N_tokens, N_seqs and L come from `prepared` and count the whole batch over all ranks.
-    """
-    if mode == "token-mean":
-        return torch.linalg.vecdot(values, mask).sum() / max(prepared.num_tokens, 1.0)
-    if mode == "seq-mean-token-mean":
-        per_seq = torch.linalg.vecdot(values, mask) / mask.sum(1).clamp(min=1.0)
-        return per_seq.sum() / max(prepared.num_seqs, 1.0)
-    if mode == "seq-mean-token-sum-norm":
-        total = torch.linalg.vecdot(values, mask).sum()
-        return total / max(prepared.num_seqs * prepared.horizon, 1.0)
-    raise ValueError(f"loss_agg {mode!r} is not one of {', '.join(LOSS_AGG_MODES)}")
 
 
 def prepare_loss_inputs(
@@ -336,7 +208,7 @@ def prepare_loss_inputs(
         PreparedLoss; pass `prepared.rows(index)` to `policy_loss` with each micro-batch.
     """
     spec = as_spec(spec, options)
-    registered = _lookup(spec.name)
+    registered = lookup_loss(spec.name)
     B, T = old_logprobs.shape
     if advantages.shape != (B,) or mask.shape != (B, T):
         raise ValueError(
@@ -413,7 +285,7 @@ def policy_loss(
         (clip fractions, approx KL from pi_old to pi, ratio), plus `prepared.metrics`.
     """
     spec = as_spec(spec, options)
-    registered = _lookup(spec.name)
+    registered = lookup_loss(spec.name)
     if prepared is None:
         prepared = prepare_loss_inputs(
             spec, old_logprobs, advantages, mask, group_ids, seed=seed,

@@ -1,0 +1,131 @@
+"""The loss registry: a loss is one function and one name, and gets its options as one object.
+
+`LossSpec` holds every option of every loss (the config's `algorithm` section, field by field:
+`AlgorithmConfig.loss_spec()`); `register_policy_loss` adds a loss under a name, which is then
+an allowed `algorithm.policy_loss`. A registered loss sees one micro-batch as `LossInputs` and
+returns its per-token loss [B, T] and metrics; the losses themselves are in `losses.py`, which
+registers them when `cagrpo_ray.algo` is imported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+from torch import Tensor
+
+from cagrpo_ray.algo.aggregation import LOSS_AGG_MODES
+from cagrpo_ray.algo.batch_stats import BatchInputs, PreparedLoss, TokenStats, no_statistics
+from cagrpo_ray.algo.stats import SCOPES
+
+CAGRPO_KERNELS = ("normalized", "unnormalized", "ones")
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Every option of a policy loss, in one typed value (the defaults are the config's).
+
+    name: the registered loss ("grpo", "cagrpo", "clip_cov", "kl_cov", ...).
+    loss_agg: how token losses aggregate (`aggregation.py`).
+    clip_eps_low, clip_eps_high: PPO clip range [1 - eps_low, 1 + eps_high] (DAPO: 0.2, 0.28).
+    cov_scope: CA-GRPO's token set S, "group" (a prompt group's tokens) or "batch".
+    cagrpo_kernel: "normalized" (the paper's w~), or the ablations "unnormalized" (w) and
+        "ones" (every weight 1: GRPO bit for bit).
+    clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance band.
+    kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens and coefficient of |log r|.
+    kl_coef: k3 KL penalty to a reference policy (0: off).
+    entropy_coef: entropy bonus (0: off).
+    tis_cap: truncation of the behavior->proximal importance weight (None: no correction;
+        see `off_policy.py`).
+    """
+
+    name: str = "cagrpo"
+    loss_agg: str = "token-mean"
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    cov_scope: str = "group"
+    cagrpo_kernel: str = "normalized"
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    kl_cov_coef: float = 1.0
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+    tis_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        lookup_loss(self.name)
+        for value, allowed, what in (
+            (self.loss_agg, LOSS_AGG_MODES, "loss_agg"),
+            (self.cagrpo_kernel, CAGRPO_KERNELS, "cagrpo_kernel"),
+            (self.cov_scope, SCOPES, "cov_scope"),
+        ):
+            if value not in allowed:
+                raise ValueError(f"{what} {value!r} is not one of {', '.join(allowed)}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive or None (off), got {self.tis_cap}")
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        """The fields other than `name` (each one an `algorithm.<field>` of the config)."""
+        return tuple(f.name for f in fields(cls) if f.name != "name")
+
+
+def as_spec(spec: LossSpec | str, options: dict) -> LossSpec:
+    """A `LossSpec` from a spec or a loss name, with `options` (LossSpec fields) replaced."""
+    unknown = set(options) - set(LossSpec.option_names())
+    if unknown:
+        raise TypeError(f"{sorted(unknown)} are not LossSpec options; those are "
+                        f"{', '.join(LossSpec.option_names())}")  # fmt: skip
+    if isinstance(spec, str):
+        return LossSpec(spec, **options)
+    return replace(spec, **options) if options else spec
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """What a registered loss sees for one micro-batch; every tensor [B, T] unless noted."""
+
+    logprobs: Tensor  # log pi(o_t), with gradient
+    log_ratio: Tensor  # log r_t = log pi - log pi_old, 0 off the mask, clamped to +-20
+    ratio: Tensor  # r_t
+    advantages: Tensor  # [B, 1] A_i
+    mask: Tensor  # float32 0/1
+    num_valid: float  # valid tokens in this micro-batch
+    prepared: PreparedLoss  # this micro-batch's rows of the batch statistics
+    spec: LossSpec  # the loss's options
+
+
+TokenLossFn = Callable[[LossInputs], tuple[Tensor, dict[str, float]]]
+StatisticsFn = Callable[[BatchInputs], TokenStats]
+
+
+@dataclass(frozen=True)
+class RegisteredLoss:
+    token_loss: TokenLossFn
+    statistics: StatisticsFn
+
+
+POLICY_LOSSES: dict[str, RegisteredLoss] = {}
+
+
+def register_policy_loss(name: str, statistics: StatisticsFn = no_statistics):
+    """Register `fn(x: LossInputs) -> (per-token loss [B, T], metrics)` under `name`.
+
+    `statistics(b: BatchInputs) -> TokenStats` computes what the loss needs from the whole
+    batch (e.g. token weights); it runs once per batch in `prepare_loss_inputs`.
+    """
+
+    def decorator(fn: TokenLossFn) -> TokenLossFn:
+        POLICY_LOSSES[name] = RegisteredLoss(fn, statistics)
+        return fn
+
+    return decorator
+
+
+def lookup_loss(name: str) -> RegisteredLoss:
+    """The registered loss `name`; an unknown name is an error that lists the known ones."""
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r} is not one of {', '.join(POLICY_LOSSES)}")
+    return POLICY_LOSSES[name]
