@@ -264,6 +264,23 @@ def test_k3_kl_to_reference_policy(b, agg):
     assert "kl/ref_k3" in out.metrics
 
 
+def test_aggregation_modes_by_hand():
+    # r = 1, so the token loss is -A: row 0 (A = 1) has 1 token, row 1 (A = -1) 3, row 2 none
+    mask = torch.tensor([[1, 0, 0], [1, 1, 1], [0, 0, 0]])
+    adv = torch.tensor([1.0, -1.0, 5.0])
+    x = torch.zeros(3, 3)
+    want = {
+        "token-mean": (-1 + 3) / 4,
+        "seq-mean-token-mean": (-1 + 1) / 2,
+        "seq-mean-token-sum": (-1 + 3) / 2,
+        "seq-mean-token-sum-norm": (-1 + 3) / (2 * 3),
+    }
+    assert set(want) == set(LOSS_AGG_MODES)
+    for agg, value in want.items():
+        loss = policy_loss("grpo", x, x, adv, mask, loss_agg=agg).loss.item()
+        assert loss == pytest.approx(value, rel=1e-7), agg
+
+
 def test_cagrpo_gradient_is_ppo_clip_gradient_with_reweighted_advantages():
     g = torch.Generator().manual_seed(0)
     B, T = 12, 9

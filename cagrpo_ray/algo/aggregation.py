@@ -8,11 +8,13 @@ and L Dr.GRPO's constant length (the longest response allowed):
 
     token-mean:               sum_{i,t} m_it l_it / N_tokens
     seq-mean-token-mean:      sum_i (sum_t m_it l_it / sum_t m_it) / N_seqs
+    seq-mean-token-sum:       sum_{i,t} m_it l_it / N_seqs
     seq-mean-token-sum-norm:  sum_{i,t} m_it l_it / (N_seqs * L)                  (Dr.GRPO)
 
 token-mean weighs every token alike (DAPO); seq-mean-token-mean every response alike (the
-GRPO paper); seq-mean-token-sum-norm sums each response's tokens over a constant L, so no
-length bias and a scale that does not move with the batch's lengths.
+GRPO paper); seq-mean-token-sum weighs a response by its length, like a sequence-level
+REINFORCE sum (verl's mode of the same name); seq-mean-token-sum-norm is it over a constant L,
+so no length bias and a scale that does not move with the batch's lengths.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from torch import Tensor
 
 from cagrpo_ray.algo.batch_stats import PreparedLoss
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+)
 
 
 def aggregate(values: Tensor, mask: Tensor, mode: str, prepared: PreparedLoss) -> Tensor:
@@ -33,6 +40,8 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, prepared: PreparedLoss) -
     if mode == "seq-mean-token-mean":
         per_seq = torch.linalg.vecdot(values, mask) / mask.sum(1).clamp(min=1.0)
         return per_seq.sum() / max(prepared.num_seqs, 1.0)
+    if mode == "seq-mean-token-sum":
+        return torch.linalg.vecdot(values, mask).sum() / max(prepared.num_seqs, 1.0)
     if mode == "seq-mean-token-sum-norm":
         total = torch.linalg.vecdot(values, mask).sum()
         return total / max(prepared.num_seqs * prepared.horizon, 1.0)

@@ -124,8 +124,9 @@ def policy_loss(
 
     `is_weights` multiply each token's term (the truncated IS correction: the gradient is
     w_t times the token's; the library keeps the logged value unweighted, so compare
-    gradients). Aggregation: token-mean (/ tokens), seq-mean-token-mean (mean of per-response
-    means), seq-mean-token-sum-norm (/ (responses * horizon), Dr.GRPO).
+    gradients). Aggregation over the responses with at least one valid token: token-mean
+    (/ tokens), seq-mean-token-mean (mean of per-response means), seq-mean-token-sum (mean
+    of per-response sums), seq-mean-token-sum-norm (/ (responses * horizon), Dr.GRPO).
     """
     B, T = mask.shape
     per_row = []
@@ -162,6 +163,8 @@ def policy_loss(
         return total / max(tokens, 1)
     if loss_agg == "seq-mean-token-mean":
         return sum((sum(r) / len(r) for r in per_row if r), zero) / max(seqs, 1)
+    if loss_agg == "seq-mean-token-sum":
+        return total / max(seqs, 1)
     if loss_agg == "seq-mean-token-sum-norm":
         return total / max(seqs * (horizon or T), 1)
     raise ValueError(f"loss_agg {loss_agg!r} has no reference")

@@ -186,7 +186,11 @@ class AlgorithmConfig(Section):
         "cagrpo", description="Policy loss from the registry in cagrpo_ray.algo.losses."
     )
     loss_agg: Literal[LOSS_AGG_MODES] = Field(
-        "token-mean", description="How token losses are aggregated."
+        "token-mean",
+        description="How token losses become the loss, over the whole batch: token-mean (every "
+        "token alike; DAPO), seq-mean-token-mean (every response alike; GRPO), "
+        "seq-mean-token-sum (per-response sums averaged over responses), "
+        "seq-mean-token-sum-norm (sums over responses x rollout.max_tokens; Dr.GRPO).",
     )
     cov_scope: Literal[SCOPES] = Field(
         "group", description="Token set over which CA-GRPO's covariance kernel is taken."
