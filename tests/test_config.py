@@ -121,3 +121,11 @@ def test_loss_names_come_from_the_registry_and_options_reach_the_spec():
         assert getattr(default, f.name) == f.default, f.name
     allowed = Config.model_fields["algorithm"].annotation.model_fields["policy_loss"].annotation
     assert set(typing.get_args(allowed)) == set(POLICY_LOSSES)
+
+
+def test_kl_estimator_reaches_the_spec_and_unknown_ones_are_refused():
+    config = load_config(None, ["algorithm.kl_estimator=k1"])
+    assert config.algorithm.loss_spec().kl_estimator == "k1"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.kl_estimator=mse"])
+    assert "algorithm.kl_estimator: 'mse' is not one of k1, abs, k2, k3" in str(err.value)

@@ -16,10 +16,12 @@ from hypothesis.extra.numpy import arrays
 
 from cagrpo_ray.algo import reference
 from cagrpo_ray.algo.losses import (
+    KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     LossSpec,
     cagrpo_token_weights,
+    kl_estimate,
     policy_loss,
     prepare_loss_inputs,
     register_policy_loss,
@@ -251,6 +253,55 @@ def test_losses_match_reference(b, name, agg):
 
 
 @HYPOTHESIS
+@given(
+    batches(),
+    st.sampled_from(LOSS_AGG_MODES),
+    st.sampled_from(KL_ESTIMATORS),
+    st.sampled_from([-0.1, 0.5, 4.0, -12.0]),  # 4 and -12 put every token's k3 above 10
+)
+def test_kl_estimators_match_reference(b, agg, estimator, ref_offset):
+    ref_logp = (b["old"] + np.float32(ref_offset)).astype(np.float32)
+    options = {"ref_logprobs": torch.from_numpy(ref_logp), "kl_coef": 0.05}
+    ref_options = {"ref_logp": ref_logp, "kl_coef": 0.05, "kl_estimator": estimator}
+    out, grad, ref, ref_grad = library_and_reference(
+        "grpo", b, agg, options={**options, "kl_estimator": estimator}, ref_options=ref_options
+    )
+    assert out.loss.item() == pytest.approx(ref, rel=2e-4, abs=1e-5)
+    np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=2e-4, atol=1e-5)
+    # the metric: the estimate's mean over valid tokens, named after the estimator
+    new = b["new"].astype(np.float64)
+    want = [
+        float(reference.kl_estimate(torch.tensor(new[i, t]), float(ref_logp[i, t]), estimator))
+        for i, t in zip(*np.nonzero(b["mask"]), strict=True)
+    ]
+    mean = float(np.mean(want)) if want else 0.0
+    assert out.metrics[f"kl/ref_{estimator}"] == pytest.approx(mean, rel=2e-4, abs=1e-5)
+
+
+def test_kl_estimators_by_hand():
+    logp = torch.tensor([-1.0, -1.0, -1.0, 0.0], requires_grad=True)
+    ref = torch.tensor([-1.5, -0.5, -1.0, -4.0])  # d = 0.5, -0.5, 0, 4
+    e = math.exp
+    want = {
+        "k1": [0.5, -0.5, 0.0, 4.0],
+        "abs": [0.5, 0.5, 0.0, 4.0],
+        "k2": [0.125, 0.125, 0.0, 8.0],
+        # e^-d + d - 1 (below the clamp at 10 here)
+        "k3": [e(-0.5) - 0.5, e(0.5) - 1.5, 0.0, e(-4.0) + 3.0],
+    }
+    for estimator, values in want.items():
+        torch.testing.assert_close(kl_estimate(logp, ref, estimator), torch.tensor(values))
+    far = torch.tensor([-4.0], requires_grad=True)  # d = -4: k3 = e^4 - 5, clamped to 10
+    clamped = kl_estimate(far, torch.tensor([0.0]), "k3")
+    clamped.sum().backward()
+    assert clamped.item() == 10.0 and far.grad.item() == 0.0  # verl's clamp: no gradient
+    kl_estimate(logp, ref, "k3").sum().backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([1 - e(-0.5), 1 - e(0.5), 0.0, 1 - e(-4.0)]))
+    with pytest.raises(ValueError, match="k1, abs, k2, k3"):
+        kl_estimate(logp, ref, "low_var_kl")
+
+
+@HYPOTHESIS
 @given(batches(), st.sampled_from(LOSS_AGG_MODES))
 def test_k3_kl_to_reference_policy(b, agg):
     ref_logp = (b["old"] - 0.1).astype(np.float32)
@@ -261,7 +312,7 @@ def test_k3_kl_to_reference_policy(b, agg):
     )
     assert out.loss.item() == pytest.approx(ref, rel=2e-4, abs=1e-5)
     np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=2e-4, atol=1e-5)
-    assert "kl/ref_k3" in out.metrics
+    assert "kl/ref_k3" in out.metrics  # the default estimator keeps the metric's old name
 
 
 def test_aggregation_modes_by_hand():
@@ -587,6 +638,8 @@ def test_loss_spec_checks_its_options_and_names_the_choices():
         LossSpec("cagrpo", cov_scope="prompt")
     with pytest.raises(ValueError, match="tis_cap"):
         LossSpec("grpo", tis_cap=0.0)
+    with pytest.raises(ValueError, match="kl_estimator 'mse' is not one of k1, abs, k2, k3"):
+        LossSpec("grpo", kl_estimator="mse")
     with pytest.raises(TypeError, match="clip_eps_high"):
         policy_loss("grpo", torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1),
                     torch.ones(1, 2), clip_eps_hi=0.3)  # fmt: skip

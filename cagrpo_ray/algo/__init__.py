@@ -12,6 +12,7 @@ from cagrpo_ray.algo.covariance import (
 )
 from cagrpo_ray.algo.entropy import entropy_from_logits, logprobs_from_logits
 from cagrpo_ray.algo.losses import (
+    KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     LossSpec,
@@ -30,6 +31,7 @@ from cagrpo_ray.algo.stats import (
 
 __all__ = [
     "COVARIANCE_TABLE_FRACTIONS",
+    "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "LossSpec",

@@ -31,12 +31,19 @@ gradient) and `kl_cov` (the top `kl_cov_ratio` of tokens by covariance get
 `kl_cov_coef` * |log r_t|; no ratio clipping). Their covariance is taken over the batch, with
 pi_old's log-probs like CA-GRPO's (verl uses pi's, equal on the first, on-policy pass).
 
-Options: one `LossSpec`
------------------------
+The whole loss, and its options
+-------------------------------
+    loss = agg(L_t) + kl_coef * agg(KL_t(pi || pi_ref)) - entropy_coef * agg(H_t)
+
+with agg one of the `loss_agg` modes (`aggregation.py`: token-mean, seq-mean-token-mean,
+seq-mean-token-sum, seq-mean-token-sum-norm) and KL_t one of the `kl_estimator`s
+(`kl_penalty.py`: k1, abs, k2, k3). Each micro-batch may also carry truncated importance
+weights from the behavior policy (`tis_cap`, `off_policy.py`).
+
 A loss gets every option as one typed object, `LossSpec` (`registry.py`), built from the
 config's `algorithm` section (`AlgorithmConfig.loss_spec()`); adding an option is a field there
 and in the config, and its use in the loss. The registry's names are the config's allowed
-`algorithm.policy_loss` values. Aggregation modes: `aggregation.py`.
+`algorithm.policy_loss` values.
 
 Computed once per batch, then micro-batched
 -------------------------------------------
@@ -82,6 +89,7 @@ from cagrpo_ray.algo.batch_stats import (
     kl_cov_statistics,
 )
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
+from cagrpo_ray.algo.kl_penalty import KL_ESTIMATORS, kl_estimate
 from cagrpo_ray.algo.off_policy import weight_gradient
 from cagrpo_ray.algo.registry import (
     CAGRPO_KERNELS,
@@ -96,6 +104,7 @@ from cagrpo_ray.algo.stats import RowLayout, float_mask, global_count
 
 __all__ = [
     "CAGRPO_KERNELS",
+    "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "BatchInputs",
@@ -106,6 +115,7 @@ __all__ = [
     "TokenStats",
     "aggregate",
     "cagrpo_token_weights",
+    "kl_estimate",
     "policy_loss",
     "ppo_clip",
     "prepare_loss_inputs",
@@ -242,12 +252,6 @@ class PolicyLossOutput:
     metrics: dict[str, float]
 
 
-def _k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
-    """k3 estimate of KL(pi || pi_ref) per token (Schulman 2020): e^d - d - 1, d = ref - logp."""
-    d = (ref_logp - logp).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
-    return torch.exp(d) - d - 1.0
-
-
 def policy_loss(
     spec: LossSpec | str,
     logprobs: Tensor,
@@ -266,14 +270,17 @@ def policy_loss(
 ) -> PolicyLossOutput:
     """Policy loss `spec` ("grpo", "cagrpo", "clip_cov", "kl_cov", ...) for one (micro-)batch.
 
-        loss = agg(L_t) + kl_coef * agg(k3(pi || pi_ref)) - entropy_coef * agg(H_t)
+        loss = agg(L_t) + kl_coef * agg(KL_t(pi || pi_ref)) - entropy_coef * agg(H_t)
+
+    with KL_t the `spec.kl_estimator` estimate (`kl_penalty.py`) and agg `spec.loss_agg`.
 
     Args:
         spec: the `LossSpec` (or a loss name, with LossSpec fields as `options`).
         logprobs: [B, T] log pi(o_t) under the policy being trained, with gradient.
         old_logprobs: [B, T] log pi_old(o_t).  advantages: [B].  mask: [B, T] bool or 0/1.
         group_ids: [B] prompt groups, for cov_scope="group" when `prepared` is None.
-        ref_logprobs: optional [B, T] reference-policy log-probs (k3 KL, `spec.kl_coef`).
+        ref_logprobs: optional [B, T] reference-policy log-probs (the KL term, `spec.kl_coef`;
+            its mean over valid tokens is logged as "kl/ref_<estimator>", e.g. "kl/ref_k3").
         entropy: optional [B, T] token entropies with gradient (bonus `spec.entropy_coef`).
         is_weights: optional [B, T] truncated importance weights (`off_policy.py`): each
             token's gradient is scaled by its weight; the logged loss keeps its value.
@@ -335,8 +342,10 @@ def policy_loss(
             "policy/approx_kl": (ratio_sum - n - float(log_ratio.sum())) / safe_n,
         })  # fmt: skip
     if ref_logprobs is not None:
-        kl = _k3(logp, ref_logprobs.to(torch.float32))
-        metrics["kl/ref_k3"] = float(torch.linalg.vecdot(kl.detach(), m).sum()) / safe_n
+        kl = kl_estimate(logp, ref_logprobs.to(torch.float32), spec.kl_estimator)
+        metrics[f"kl/ref_{spec.kl_estimator}"] = (
+            float(torch.linalg.vecdot(kl.detach(), m).sum()) / safe_n
+        )
         if spec.kl_coef:
             loss = loss + spec.kl_coef * aggregate(kl, m, spec.loss_agg, prepared)
     if entropy is not None:

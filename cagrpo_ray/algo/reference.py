@@ -15,7 +15,8 @@ tokens of one prompt group, or of the whole batch):
     L_t   = max(-w~_t A_i r_t, -w~_t A_i clip(r_t, 1 - eps_low, 1 + eps_high))
 
 with r_t = pi(o_t) / pi_old(o_t). Clip-Cov and KL-Cov (Cui et al. 2025) act on the tokens
-with the largest c over the batch (see `policy_loss`).
+with the largest c over the batch (see `policy_loss`). The KL to a reference policy and the
+aggregation modes are in `kl_estimate` and `policy_loss`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,23 @@ def truncated_is_weights(proximal, behavior, mask, cap: float) -> np.ndarray:
     return np.where(mask, np.minimum(ratio, cap), 0.0)
 
 
+def kl_estimate(logp: torch.Tensor, ref: float, estimator: str) -> torch.Tensor:
+    """One token's estimate of KL(pi || pi_ref) from d = log pi - log pi_ref (Schulman 2020):
+    k1 = d, abs = |d|, k2 = d^2 / 2, k3 = e^x - x - 1 with x = clamp(-d, -20, 20), clamped to
+    [-10, 10] (verl's low_var_kl). `logp` is a float64 scalar with gradient."""
+    d = logp - ref
+    if estimator == "k1":
+        return d
+    if estimator == "abs":
+        return d.abs()
+    if estimator == "k2":
+        return 0.5 * d**2
+    if estimator == "k3":
+        x = (-d).clamp(-20, 20)
+        return (torch.exp(x) - x - 1).clamp(-10, 10)
+    raise ValueError(f"kl_estimator {estimator!r} has no reference")
+
+
 def policy_loss(
     name: str,
     logp: torch.Tensor,
@@ -111,6 +129,7 @@ def policy_loss(
     horizon: int | None = None,
     ref_logp=None,
     kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
     is_weights=None,
 ) -> torch.Tensor:
     """The aggregated loss, token by token, differentiable w.r.t. `logp` (a float64 leaf).
@@ -120,7 +139,7 @@ def policy_loss(
         grpo, cagrpo, clip_cov:  max(-a r, -a clip(r, 1 - eps_low, 1 + eps_high))
                                  (cagrpo: token_weight = w~; clip_cov: 0 on its chosen tokens)
         kl_cov:                  -A_i r + kl_cov_coef * kl_penalty * |log r|
-        + kl_coef * k3(pi || pi_ref), k3 = e^d - d - 1 with d = clamp(ref - logp, -20, 20)
+        + kl_coef * KL(pi || pi_ref), estimated by `kl_estimate(..., kl_estimator)`
 
     `is_weights` multiply each token's term (the truncated IS correction: the gradient is
     w_t times the token's; the library keeps the logged value unweighted, so compare
@@ -149,8 +168,7 @@ def policy_loss(
                 else:
                     term = -a * torch.clamp(r, min=1 - clip_eps_low)
             if ref_logp is not None and kl_coef:
-                d = (float(ref_logp[i, t]) - logp[i, t]).clamp(-20, 20)
-                term = term + kl_coef * (torch.exp(d) - d - 1)
+                term = term + kl_coef * kl_estimate(logp[i, t], float(ref_logp[i, t]), kl_estimator)
             if is_weights is not None:
                 term = float(is_weights[i, t]) * term
             row.append(term)

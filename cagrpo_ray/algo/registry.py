@@ -16,6 +16,7 @@ from torch import Tensor
 
 from cagrpo_ray.algo.aggregation import LOSS_AGG_MODES
 from cagrpo_ray.algo.batch_stats import BatchInputs, PreparedLoss, TokenStats, no_statistics
+from cagrpo_ray.algo.kl_penalty import KL_ESTIMATORS
 from cagrpo_ray.algo.stats import SCOPES
 
 CAGRPO_KERNELS = ("normalized", "unnormalized", "ones")
@@ -33,7 +34,8 @@ class LossSpec:
         "ones" (every weight 1: GRPO bit for bit).
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens and coefficient of |log r|.
-    kl_coef: k3 KL penalty to a reference policy (0: off).
+    kl_coef: coefficient of the KL penalty to a reference policy (0: off).
+    kl_estimator: its per-token estimator, "k1", "abs", "k2" or "k3" (`kl_penalty.py`).
     entropy_coef: entropy bonus (0: off).
     tis_cap: truncation of the behavior->proximal importance weight (None: no correction;
         see `off_policy.py`).
@@ -51,6 +53,7 @@ class LossSpec:
     kl_cov_ratio: float = 2e-4
     kl_cov_coef: float = 1.0
     kl_coef: float = 0.0
+    kl_estimator: str = "k3"
     entropy_coef: float = 0.0
     tis_cap: float | None = None
 
@@ -60,6 +63,7 @@ class LossSpec:
             (self.loss_agg, LOSS_AGG_MODES, "loss_agg"),
             (self.cagrpo_kernel, CAGRPO_KERNELS, "cagrpo_kernel"),
             (self.cov_scope, SCOPES, "cov_scope"),
+            (self.kl_estimator, KL_ESTIMATORS, "kl_estimator"),
         ):
             if value not in allowed:
                 raise ValueError(f"{what} {value!r} is not one of {', '.join(allowed)}")

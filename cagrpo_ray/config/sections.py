@@ -7,7 +7,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from cagrpo_ray.algo.losses import CAGRPO_KERNELS, LOSS_AGG_MODES, POLICY_LOSSES, LossSpec
+from cagrpo_ray.algo.losses import (
+    CAGRPO_KERNELS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    LossSpec,
+)
 from cagrpo_ray.algo.stats import SCOPES
 
 
@@ -229,7 +235,16 @@ class AlgorithmConfig(Section):
     warmup_steps: int = Field(5, ge=0, description="Linear learning-rate warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
-    kl_coef: float = Field(0.0, ge=0, description="k3 KL penalty to the reference policy (0: off).")
+    kl_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Coefficient of the KL penalty to the reference policy, a loss term (0: off).",
+    )
+    kl_estimator: Literal[KL_ESTIMATORS] = Field(
+        "k3",
+        description="Per-token KL estimator, d = log pi - log pi_ref: k1 (d), abs (|d|), k2 "
+        "(d^2 / 2), k3 (e^-d + d - 1, clamped to 10; verl's low_var_kl).",
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
     tis_cap: float | None = Field(
         None,
