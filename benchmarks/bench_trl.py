@@ -341,6 +341,7 @@ def loss_agreement(model_path: str, workdir: Path) -> list[tuple[str, str, float
         ours = policy_loss(
             "grpo", new, old, advantages, completion_mask,
             clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, loss_agg=agg, max_response_length=T,
+            clip_ratio_c=None,  # TRL has no dual-clip
         ).loss  # fmt: skip
         ours.backward()
         grads_ours = [p.grad.clone() for p in model.parameters() if p.grad is not None]

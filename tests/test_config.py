@@ -129,3 +129,12 @@ def test_kl_estimator_reaches_the_spec_and_unknown_ones_are_refused():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.kl_estimator=mse"])
     assert "algorithm.kl_estimator: 'mse' is not one of k1, abs, k2, k3" in str(err.value)
+
+
+def test_dual_clip_bound_reaches_the_spec_and_is_above_one_or_off():
+    assert load_config(None, ["algorithm.clip_ratio_c=10"]).algorithm.loss_spec().clip_ratio_c == 10
+    off = load_config(None, ["algorithm.clip_ratio_c=null"]).algorithm.loss_spec()
+    assert off.clip_ratio_c is None
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.clip_ratio_c=1"])
+    assert "algorithm.clip_ratio_c: 1 is invalid" in str(err.value)

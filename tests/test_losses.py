@@ -32,6 +32,10 @@ from cagrpo_ray.algo.off_policy import truncated_is_weights
 pytestmark = pytest.mark.unit
 
 LOSSES = ("grpo", "cagrpo", "clip_cov", "kl_cov")
+PPO_CLIP_LOSSES = ("grpo", "cagrpo", "clip_cov")
+# dual-clip bounds: off, the default (never binds on these batches: r < e^0.625 < 3), and two
+# that bind on tokens with A < 0 and r > c
+CLIP_RATIO_C = st.sampled_from([None, 3.0, 1.1, 1.5])
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True)
 
 # ------------------------------------------------------------------------------------------------
@@ -243,13 +247,52 @@ def library_and_reference(name, b, agg, eps_low=0.2, eps_high=0.28, options=None
 
 
 @HYPOTHESIS
-@given(batches(), st.sampled_from(LOSSES), st.sampled_from(LOSS_AGG_MODES))
-def test_losses_match_reference(b, name, agg):
-    out, grad, ref, ref_grad = library_and_reference(name, b, agg)
+@given(batches(), st.sampled_from(LOSSES), st.sampled_from(LOSS_AGG_MODES), CLIP_RATIO_C)
+def test_losses_match_reference(b, name, agg, clip_ratio_c):
+    c = {"clip_ratio_c": clip_ratio_c}
+    out, grad, ref, ref_grad = library_and_reference(name, b, agg, options=c, ref_options=c)
     assert math.isfinite(out.loss.item()) and torch.isfinite(grad).all()
     assert out.loss.item() == pytest.approx(ref, rel=2e-4, abs=1e-5)
     np.testing.assert_allclose(grad.numpy(), ref_grad.numpy(), rtol=2e-4, atol=1e-5)
     assert all(isinstance(v, float) and math.isfinite(v) for v in out.metrics.values())
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(PPO_CLIP_LOSSES), st.sampled_from(LOSS_AGG_MODES))
+def test_dual_clip_changes_nothing_on_policy_bit_for_bit(b, name, agg):
+    """r = 1 on the first pass: with c = 3 the loss and gradient are those without dual-clip."""
+    b = {**b, "new": b["old"].copy()}
+    results = []
+    for clip_ratio_c in (3.0, None):
+        new, old, adv, mask, gid = as_torch(b)
+        prepared = prepare_loss_inputs(name, old, adv, mask, gid, seed=3)
+        out = policy_loss(
+            name, new, old, adv, mask, loss_agg=agg, clip_ratio_c=clip_ratio_c, prepared=prepared
+        )
+        out.loss.backward()
+        results.append((out.loss.detach(), new.grad, out.metrics))
+    (loss_dual, grad_dual, metrics), (loss_plain, grad_plain, _) = results
+    assert torch.equal(loss_dual, loss_plain)
+    assert torch.equal(grad_dual, grad_plain)
+    assert metrics["policy/dual_clip_frac"] == 0.0
+
+
+def test_dual_clip_bounds_negative_advantage_tokens_and_cuts_their_gradient():
+    # row 0: A = +1, row 1: A = -1; ratios 0.5, 2, 5 on each row
+    old = torch.zeros(2, 3)
+    new = torch.log(torch.tensor([[0.5, 2.0, 5.0]] * 2)).requires_grad_()
+    adv, mask = torch.tensor([1.0, -1.0]), torch.ones(2, 3)
+    out = policy_loss("grpo", new, old, adv, mask, clip_ratio_c=3.0, clip_eps_low=0.2)
+    out.loss.backward()
+    # A > 0: -r capped at 1.2 -> (-0.5, -1.2, -1.2); A < 0: max(r, 0.8) at most c = 3 -> (0.8,
+    # 2, 3); the last one is bound, a constant, and the floored one has no gradient either
+    torch.testing.assert_close(out.loss, torch.tensor((-0.5 - 1.2 - 1.2 + 0.8 + 2.0 + 3.0) / 6))
+    want = torch.tensor([[-0.5, 0.0, 0.0], [0.0, 2.0, 0.0]]) / 6  # d(+-r)/d log r = +-r
+    torch.testing.assert_close(new.grad, want)
+    assert out.metrics["policy/dual_clip_frac"] == pytest.approx(1 / 6)
+    without = policy_loss("grpo", new.detach(), old, adv, mask, clip_ratio_c=None)
+    assert without.loss.item() == pytest.approx((-0.5 - 1.2 - 1.2 + 0.8 + 2.0 + 5.0) / 6)
+    assert without.metrics["policy/dual_clip_frac"] == 0.0
 
 
 @HYPOTHESIS
@@ -404,7 +447,13 @@ def test_micro_batches_sum_to_the_full_batch_gradient(name, agg):
     adv = torch.randn(B, generator=g)
     gid = torch.arange(B) // 6
     ref_logp, entropy = old - 0.2, torch.rand(B, T, generator=g)
-    options = {"clip_eps_high": 0.28, "loss_agg": agg, "ref_logprobs": ref_logp, "kl_coef": 0.1}
+    options = {
+        "clip_eps_high": 0.28,
+        "clip_ratio_c": 1.2,  # binds on some tokens with A < 0
+        "loss_agg": agg,
+        "ref_logprobs": ref_logp,
+        "kl_coef": 0.1,
+    }
     settings_ = {"clip_cov_ratio": 0.02, "kl_cov_ratio": 0.02, "seed": 11, "cov_scope": "group"}
 
     full = new0.clone().requires_grad_()
@@ -450,6 +499,7 @@ def test_metrics_keys_and_types():
         "policy/clip_frac",
         "policy/clip_frac_high",
         "policy/clip_frac_low",
+        "policy/dual_clip_frac",
         "policy/approx_kl",
         "policy/ratio_mean",
         "policy/ratio_max",
@@ -638,8 +688,11 @@ def test_loss_spec_checks_its_options_and_names_the_choices():
         LossSpec("cagrpo", cov_scope="prompt")
     with pytest.raises(ValueError, match="tis_cap"):
         LossSpec("grpo", tis_cap=0.0)
+    with pytest.raises(ValueError, match="clip_ratio_c must be above 1"):
+        LossSpec("grpo", clip_ratio_c=1.0)
     with pytest.raises(ValueError, match="kl_estimator 'mse' is not one of k1, abs, k2, k3"):
         LossSpec("grpo", kl_estimator="mse")
+    assert LossSpec("grpo", clip_ratio_c=None).clip_ratio_c is None
     with pytest.raises(TypeError, match="clip_eps_high"):
         policy_loss("grpo", torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1),
                     torch.ones(1, 2), clip_eps_hi=0.3)  # fmt: skip

@@ -28,8 +28,20 @@ clip-higher), and from Cui et al. 2025 ("The Entropy Mechanism of Reinforcement 
 Reasoning Language Models"): `clip_cov` (the surrogate of a random `clip_cov_ratio` of the
 tokens whose covariance lies in (`clip_cov_lb`, `clip_cov_ub`) is zeroed, so they give no
 gradient) and `kl_cov` (the top `kl_cov_ratio` of tokens by covariance get
-`kl_cov_coef` * |log r_t|; no ratio clipping). Their covariance is taken over the batch, with
-pi_old's log-probs like CA-GRPO's (verl uses pi's, equal on the first, on-policy pass).
+`kl_cov_coef` * |log r_t|; no ratio clipping, so no dual-clip either, as in verl). Their
+covariance is taken over the batch, with pi_old's log-probs like CA-GRPO's (verl uses pi's,
+equal on the first, on-policy pass).
+
+Dual-clip
+---------
+Every PPO-clip loss (grpo, cagrpo, clip_cov) also bounds the loss of a token with negative
+advantage (Ye et al. 2020; verl's clip_ratio_c, default 3):
+
+    L_t = min(max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high)),  -A_t c)     A_t < 0
+
+Without it, -A_t r_t grows without bound in r_t, and one token that pi now finds far likelier
+than pi_old did can dominate a later pass over the batch. It never binds at r_t = 1, so the
+first, on-policy pass is bit for bit the same with it or without (`clip_ratio_c=None`).
 
 The whole loss, and its options
 -------------------------------
@@ -127,17 +139,36 @@ LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl does), so exp never o
 
 
 def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip with asymmetric range (DAPO clip-higher), per token:
+    """PPO-clip with asymmetric range (DAPO clip-higher) and dual-clip, per token:
 
         L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
+        L_t = min(L_t, -A_t c)                        only where A_t < 0, if clip_ratio_c = c
 
-    `advantages` is [B, 1] or [B, T]. Metrics: the fraction of valid tokens where the clip is
-    active (no gradient), split into r_t > 1 + eps_high (A > 0) and r_t < 1 - eps_low (A < 0).
+    The dual clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL";
+    verl's clip_ratio_c) bounds a negative-advantage token's loss at |A_t| c: the clip alone
+    leaves -A_t r_t unbounded as r_t grows, so one token that the policy now finds far likelier
+    than pi_old did could dominate the update. Where it binds the loss is a constant: no
+    gradient. At r_t = 1 (the first, on-policy pass) it never binds, and the loss and its
+    gradient are bit for bit those without it.
+
+    `advantages` is [B, 1] or [B, T]. Metrics, as fractions of the valid tokens: the clip
+    active (no gradient), split into r_t > 1 + eps_high (A > 0) and r_t < 1 - eps_low (A < 0);
+    and the dual clip binding.
     """
     unclipped = -advantages * x.ratio
     eps_low, eps_high = x.spec.clip_eps_low, x.spec.clip_eps_high
     clipped = -advantages * x.ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
-    with torch.no_grad():  # off the mask r_t = 1, so the clip is never active there
+    surrogate = torch.maximum(unclipped, clipped)
+    dual_bound = None
+    if x.spec.clip_ratio_c is not None:
+        dual = -advantages * x.spec.clip_ratio_c
+        # torch.where, not torch.minimum: only A < 0 is bounded, and wherever the bound does
+        # not bind the surrogate and its gradient pass through untouched (even at a tie)
+        dual_bound = torch.lt(advantages, 0.0).logical_and(torch.gt(surrogate, dual))
+        token_loss = torch.where(dual_bound, dual, surrogate)
+    else:
+        token_loss = surrogate
+    with torch.no_grad():  # off the mask r_t = 1, so neither clip is ever active there
         active = torch.gt(clipped, unclipped)
         count = float(active.sum())
         high = float(active.logical_and_(x.ratio > 1.0).sum())
@@ -146,8 +177,9 @@ def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float
             "policy/clip_frac": count / n,
             "policy/clip_frac_high": high / n,
             "policy/clip_frac_low": (count - high) / n,
+            "policy/dual_clip_frac": 0.0 if dual_bound is None else float(dual_bound.sum()) / n,
         }
-    return torch.maximum(unclipped, clipped), metrics
+    return token_loss, metrics
 
 
 @register_policy_loss("grpo")
@@ -289,7 +321,8 @@ def policy_loss(
 
     Returns:
         PolicyLossOutput(loss, metrics): metrics are floats, "policy/..." for this call
-        (clip fractions, approx KL from pi_old to pi, ratio), plus `prepared.metrics`.
+        (clip and dual-clip fractions, approx KL from pi_old to pi, ratio), plus
+        `prepared.metrics`.
     """
     spec = as_spec(spec, options)
     registered = lookup_loss(spec.name)

@@ -13,6 +13,7 @@ tokens of one prompt group, or of the whole batch):
     w_t   = exp(-c_t^2 / (2 sigma^2))                            1 for every t if sigma < 1e-8
     w~_t  = w_t * |S| / sum_S w                                  mean_S w~ = 1
     L_t   = max(-w~_t A_i r_t, -w~_t A_i clip(r_t, 1 - eps_low, 1 + eps_high))
+    L_t   = min(L_t, -w~_t A_i c)          where w~_t A_i < 0 (dual-clip, c = clip_ratio_c)
 
 with r_t = pi(o_t) / pi_old(o_t). Clip-Cov and KL-Cov (Cui et al. 2025) act on the tokens
 with the largest c over the batch (see `policy_loss`). The KL to a reference policy and the
@@ -125,6 +126,7 @@ def policy_loss(
     loss_agg: str = "token-mean",
     clip_eps_low: float = 0.2,
     clip_eps_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
     kl_cov_coef: float = 1.0,
     horizon: int | None = None,
     ref_logp=None,
@@ -136,7 +138,8 @@ def policy_loss(
 
     Per valid token, with log r = clamp(logp - old, -20, 20) and a = A_i * token_weight:
 
-        grpo, cagrpo, clip_cov:  max(-a r, -a clip(r, 1 - eps_low, 1 + eps_high))
+        grpo, cagrpo, clip_cov:  max(-a r, -a clip(r, 1 - eps_low, 1 + eps_high)),
+                                 and for a < 0 at most -a c (dual-clip; c = clip_ratio_c)
                                  (cagrpo: token_weight = w~; clip_cov: 0 on its chosen tokens)
         kl_cov:                  -A_i r + kl_cov_coef * kl_penalty * |log r|
         + kl_coef * KL(pi || pi_ref), estimated by `kl_estimate(..., kl_estimator)`
@@ -167,6 +170,8 @@ def policy_loss(
                     term = -a * torch.clamp(r, max=1 + clip_eps_high)
                 else:
                     term = -a * torch.clamp(r, min=1 - clip_eps_low)
+                    if clip_ratio_c is not None:  # min(term, -a c)
+                        term = torch.clamp(term, max=-a * clip_ratio_c)
             if ref_logp is not None and kl_coef:
                 term = term + kl_coef * kl_estimate(logp[i, t], float(ref_logp[i, t]), kl_estimator)
             if is_weights is not None:

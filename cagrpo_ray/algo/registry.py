@@ -29,6 +29,8 @@ class LossSpec:
     name: the registered loss ("grpo", "cagrpo", "clip_cov", "kl_cov", ...).
     loss_agg: how token losses aggregate (`aggregation.py`).
     clip_eps_low, clip_eps_high: PPO clip range [1 - eps_low, 1 + eps_high] (DAPO: 0.2, 0.28).
+    clip_ratio_c: dual-clip bound c > 1 on the loss of a token with A < 0 (`ppo_clip`; verl's
+        clip_ratio_c); None: off.
     cov_scope: CA-GRPO's token set S, "group" (a prompt group's tokens) or "batch".
     cagrpo_kernel: "normalized" (the paper's w~), or the ablations "unnormalized" (w) and
         "ones" (every weight 1: GRPO bit for bit).
@@ -45,6 +47,7 @@ class LossSpec:
     loss_agg: str = "token-mean"
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
+    clip_ratio_c: float | None = 3.0
     cov_scope: str = "group"
     cagrpo_kernel: str = "normalized"
     clip_cov_ratio: float = 2e-4
@@ -67,6 +70,11 @@ class LossSpec:
         ):
             if value not in allowed:
                 raise ValueError(f"{what} {value!r} is not one of {', '.join(allowed)}")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            raise ValueError(
+                f"clip_ratio_c must be above 1 or None (off), got {self.clip_ratio_c}: at c <= 1 "
+                "the bound would bind at r = 1 and cut every negative-advantage token's gradient"
+            )
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be positive or None (off), got {self.tis_cap}")
 

@@ -231,6 +231,13 @@ class AlgorithmConfig(Section):
     std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
     clip_eps_low: float = Field(0.2, ge=0, description="PPO clip range below 1.")
     clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO: 0.28).")
+    clip_ratio_c: float | None = Field(
+        3.0,
+        gt=1,
+        description="Dual-clip: a token with negative advantage A loses at most |A| * c, so a "
+        "ratio far above 1 cannot dominate the update (verl's clip_ratio_c; its DAPO recipes use "
+        "10). Never binds at ratio 1. PPO-clip losses only (grpo, cagrpo, clip_cov). None: off.",
+    )
     lr: float = Field(1e-4, gt=0, description="Learning rate (AdamW).")
     warmup_steps: int = Field(5, ge=0, description="Linear learning-rate warm-up steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
