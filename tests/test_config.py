@@ -138,3 +138,15 @@ def test_dual_clip_bound_reaches_the_spec_and_is_above_one_or_off():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.clip_ratio_c=1"])
     assert "algorithm.clip_ratio_c: 1 is invalid" in str(err.value)
+
+
+def test_lr_schedule_options():
+    config = load_config(None, ["algorithm.lr_schedule=cosine", "algorithm.min_lr_ratio=0.1"])
+    assert (config.algorithm.lr_schedule, config.algorithm.min_lr_ratio) == ("cosine", 0.1)
+    for override, fragment in (
+        ("algorithm.lr_schedule=step", "'step' is not one of constant, linear, cosine"),
+        ("algorithm.min_lr_ratio=2", "algorithm.min_lr_ratio: 2 is invalid"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        assert fragment in str(err.value), override

@@ -1,4 +1,5 @@
-"""The paper in code, in pure torch: advantages, policy losses, entropy and covariance statistics.
+"""The paper in code, in pure torch: advantages, policy losses, entropy and covariance statistics,
+and the learning-rate schedule.
 
 Nothing here imports the rest of cagrpo_ray; every function is testable in milliseconds.
 """
@@ -23,6 +24,7 @@ from cagrpo_ray.algo.losses import (
     register_policy_loss,
 )
 from cagrpo_ray.algo.off_policy import truncated_is_weights
+from cagrpo_ray.algo.schedules import LR_SCHEDULES, lr_factor
 from cagrpo_ray.algo.stats import (
     COVARIANCE_TABLE_FRACTIONS,
     covariance_quantiles,
@@ -33,6 +35,7 @@ __all__ = [
     "COVARIANCE_TABLE_FRACTIONS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
+    "LR_SCHEDULES",
     "POLICY_LOSSES",
     "LossSpec",
     "PolicyLossOutput",
@@ -45,6 +48,7 @@ __all__ = [
     "group_advantages",
     "kl_cov_selection",
     "logprobs_from_logits",
+    "lr_factor",
     "policy_loss",
     "prepare_loss_inputs",
     "register_policy_loss",

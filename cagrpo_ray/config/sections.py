@@ -14,6 +14,7 @@ from cagrpo_ray.algo.losses import (
     POLICY_LOSSES,
     LossSpec,
 )
+from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.algo.stats import SCOPES
 
 
@@ -239,7 +240,19 @@ class AlgorithmConfig(Section):
         "10). Never binds at ratio 1. PPO-clip losses only (grpo, cagrpo, clip_cov). None: off.",
     )
     lr: float = Field(1e-4, gt=0, description="Learning rate (AdamW).")
-    warmup_steps: int = Field(5, ge=0, description="Linear learning-rate warm-up steps.")
+    warmup_steps: int = Field(
+        5,
+        ge=0,
+        description="Linear learning-rate warm-up steps: lr * (s + 1) / warmup_steps at step s.",
+    )
+    lr_schedule: Literal[LR_SCHEDULES] = Field(
+        "constant",
+        description="Learning rate after the warm-up: constant, or linear / cosine decay towards "
+        "min_lr_ratio * lr at the end of the run (verl's lr_scheduler_type).",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="Where linear and cosine decay end, as a fraction of lr."
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     kl_coef: float = Field(

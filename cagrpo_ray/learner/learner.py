@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.algo import (
     LossSpec,
+    lr_factor,
 )
 from cagrpo_ray.learner.batch import BATCH_KEYS
 from cagrpo_ray.learner.distributed import (
@@ -88,10 +89,19 @@ class Learner(PPOSteps):
             ],
             lr=settings.lr,
         )
-        # Linear warm-up from lr / warmup_steps on the first step to lr, then constant.
-        warmup = settings.warmup_steps
+        # Linear warm-up from lr / warmup_steps on the first step to lr, then the schedule. It
+        # counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step
+        # takes ppo_epochs x mini_batches of those.
+        updates = settings.ppo_epochs * settings.mini_batches
         scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+            optimizer,
+            lambda s: lr_factor(
+                s // updates,
+                settings.total_steps,
+                settings.warmup_steps,
+                settings.lr_schedule,
+                settings.min_lr_ratio,
+            ),
         )
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config

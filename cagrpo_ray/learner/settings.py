@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cagrpo_ray.algo.schedules import LR_SCHEDULES
+
 
 @dataclass(frozen=True)
 class LearnerSettings:
@@ -13,6 +15,9 @@ class LearnerSettings:
     zero_stage: DeepSpeed ZeRO stage 0 to 3.
     micro_batch_size: responses per forward/backward pass.
     lr, warmup_steps, weight_decay, grad_clip: AdamW with linear warm-up to lr.
+    lr_schedule, min_lr_ratio, total_steps: after the warm-up, "constant", or "linear" /
+        "cosine" decay to min_lr_ratio * lr at scheduler step total_steps, which those two
+        need (DeepSpeed steps the scheduler with every optimizer step; `algo.schedules`).
     temperature: the sampling temperature; log-probs are of log_softmax(logits / temperature).
     ref_model_path: the frozen reference policy for the KL penalty (None: the starting policy,
         loaded only when the loss's kl_coef > 0).
@@ -38,6 +43,9 @@ class LearnerSettings:
     micro_batch_size: int = 32
     lr: float = 1e-4
     warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
+    total_steps: int | None = None
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     temperature: float = 1.0
@@ -68,6 +76,17 @@ class LearnerSettings:
             )
         if self.token_stats not in ("rollout", "minibatch"):
             raise ValueError(f"token_stats {self.token_stats!r} is not one of rollout, minibatch")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
+            )
+        if self.lr_schedule != "constant" and (self.total_steps is None or self.total_steps < 1):
+            raise ValueError(
+                f"lr_schedule {self.lr_schedule!r} decays over total_steps, which must be >= 1; "
+                f"got {self.total_steps}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(
                 f"dtype {self.dtype!r} is not one of float32, bfloat16 (float16 needs loss "
