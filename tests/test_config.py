@@ -123,6 +123,17 @@ def test_loss_names_come_from_the_registry_and_options_reach_the_spec():
     assert set(typing.get_args(allowed)) == set(POLICY_LOSSES)
 
 
+def test_truncated_sampling_is_refused_naming_both_keys_and_why():
+    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [override])
+        message = str(err.value)
+        assert "rollout.top_p" in message and "rollout.top_k" in message, override
+        assert "full softmax" in message
+    config = load_config(None, ["rollout.top_p=1.0", "rollout.top_k=0"])
+    assert (config.rollout.top_p, config.rollout.top_k) == (1.0, 0)
+
+
 def test_kl_estimator_reaches_the_spec_and_unknown_ones_are_refused():
     config = load_config(None, ["algorithm.kl_estimator=k1"])
     assert config.algorithm.loss_spec().kl_estimator == "k1"

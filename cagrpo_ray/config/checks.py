@@ -44,6 +44,14 @@ def check_across_sections(config: Config) -> Config:
                 "ranks of the weight-sync group) on one GPU; NCCL refuses that and colocated "
                 "layouts are not supported: use whole GPUs (0 on the CPU)"
             )
+    if config.rollout.top_p < 1 or config.rollout.top_k > 0:
+        raise ValueError(
+            f"rollout.top_p {config.rollout.top_p:g} and rollout.top_k {config.rollout.top_k} "
+            "truncate sampling, but the learner scores tokens with the full softmax at the "
+            "temperature: vLLM's log-probs (renormalised over the kept tokens) would not be the "
+            "learner's, which biases algorithm.tis_cap's weights and trains another policy than "
+            "the one sampled. Set rollout.top_p 1.0 and rollout.top_k 0"
+        )
     if config.sync.timeout_s >= config.learner.dist_timeout_s:
         raise ValueError(
             f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "

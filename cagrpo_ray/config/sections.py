@@ -159,8 +159,10 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
     group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (training: 1, off).")
+    top_k: int = Field(
+        0, ge=0, description="Top-k sampling (0: off; training needs top_p 1 and top_k 0)."
+    )
     max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
     max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
     kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV-cache size in GiB.")
