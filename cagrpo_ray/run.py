@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from cagrpo_ray.data.files import PromptFileError
     from cagrpo_ray.placement import PlacementError
+    from cagrpo_ray.plan import PlanError
     from cagrpo_ray.policies.build import PolicyPathError
     from cagrpo_ray.scheduler import DynamicSamplingError
     from cagrpo_ray.trainer import Trainer, required_cpus
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
     try:
         summary = Trainer(config, resume=args.resume).run()
-    except (PromptFileError, PolicyPathError, PlacementError) as exc:
+    except (PromptFileError, PolicyPathError, PlacementError, PlanError) as exc:
         # bad input found once the run looks at it: one line, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2

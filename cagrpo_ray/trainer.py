@@ -85,6 +85,21 @@ def learner_settings(config: Config, model_path: str):
     )
 
 
+def check_plan(config: Config) -> None:
+    """The planner's check (`python -m cagrpo_ray.plan`) against the cluster the run joined:
+    raises `PlanError` naming the GPU and the component that does not fit, or the tensor-
+    parallel size the model's heads do not allow. A model whose shape cannot be read (a hub
+    model out of reach) is not planned, with a warning."""
+    from cagrpo_ray.plan import ClusterShape, ModelShapeError, check, render
+
+    gpus = config.rollout.num_gpus_per_generator or config.learner.num_gpus_per_learner
+    cluster = ClusterShape.from_ray(config.cluster.gpu_memory_gib) if gpus else None
+    try:
+        log.info("plan:\n%s", render(check(config, cluster, online=True)))
+    except ModelShapeError as exc:
+        log.warning("no memory plan: %s", exc)
+
+
 class Trainer:
     """Runs one training job described by `config`; `run()` returns the final summary."""
 
@@ -138,7 +153,9 @@ class Trainer:
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
         )
-        # Every actor's GPUs and CPUs are reserved (or the layout refused) before any starts.
+        # Memory and layout are checked, then every actor's GPUs and CPUs are reserved (or the
+        # layout refused), before any actor starts.
+        check_plan(cfg)
         self.placement = Placement(cfg, timeout_s=cfg.run.placement_timeout_s)
         generators = [
             GeneratorActor.options(

@@ -1,16 +1,3 @@
-"""DeepSpeed policy learners: one data-parallel rank (`Learner`) and m of them on Ray
-(`LearnerGroup`)."""
-
-from cagrpo_ray.learner.batch import BATCH_KEYS
-from cagrpo_ray.learner.group import LearnerGroup, LearnerGroupError, split_by_groups
-from cagrpo_ray.learner.learner import Learner
-from cagrpo_ray.learner.settings import LearnerSettings
-
-__all__ = [
-    "BATCH_KEYS",
-    "Learner",
-    "LearnerGroup",
-    "LearnerGroupError",
-    "LearnerSettings",
-    "split_by_groups",
-]
+"""DeepSpeed policy learners: one data-parallel rank (`learner.Learner`, importable without Ray)
+and m of them as Ray actors (`group.LearnerGroup`). Import what you need from its module; this
+package imports nothing, so that using a `Learner` does not pull in Ray."""
