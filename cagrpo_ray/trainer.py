@@ -79,6 +79,7 @@ def learner_settings(config: Config, model_path: str):
         mini_batches=responses // (a.mini_batch_size or responses),
         token_stats=a.token_stats,
         measure_policy_change=a.measure_policy_change,
+        length_buckets=lcfg.length_buckets,
         lr_schedule=a.lr_schedule,
         min_lr_ratio=a.min_lr_ratio,
         total_steps=config.run.steps,

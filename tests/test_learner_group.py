@@ -88,7 +88,10 @@ def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_resul
         synced = group.collect_sync_weights()
         assert synced.keys() == params_one.keys()
         for name, value in synced.items():
-            torch.testing.assert_close(value, params_one[name], rtol=0, atol=0.02 * LEARNER["lr"])
+            # Adam moves each element by about lr * sign(g); where |g| is near Adam's eps the
+            # step depends on the gradient's last bits, which the order of the micro-batch sums
+            # (length-sorted, per rank) changes: a few elements may differ by a fraction of lr.
+            torch.testing.assert_close(value, params_one[name], rtol=0, atol=0.05 * LEARNER["lr"])
 
         def full_parameters(learner: Learner) -> dict[str, torch.Tensor]:
             """Every parameter, whole, on every rank (gathered under ZeRO-3)."""

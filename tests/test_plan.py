@@ -288,7 +288,9 @@ def test_the_cli_exit_codes(capsys):
     assert "does not fit" in out and "node 0 GPU 4" in out and "activations" in out
     assert main(["--config", R1_1_5B, "--nodes", "1", "--gpu-memory-gib", "16", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["fits"] is False
-    assert main(["--config", R1_1_5B]) == 2  # the recipe names no cluster
+    assert main(["--config", R1_1_5B]) == 0  # the recipe names its cluster
+    capsys.readouterr()
+    assert main(["--config", R1_1_5B, "--set", "cluster.nodes=null"]) == 2  # no cluster known
     assert "cluster.nodes is not set" in capsys.readouterr().err
     assert main(["--config", R1_1_5B, "--nodes", "0"]) == 2  # cluster.nodes must be >= 1
     assert main(["--set", "learner.nope=1"]) == 2

@@ -335,6 +335,13 @@ class LearnerConfig(Section):
     num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
     micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")
+    length_buckets: int = Field(
+        4,
+        ge=1,
+        description="When a rank's batch fits one micro-batch and a step is one update, its "
+        "training pass runs in this many length-sorted parts (less padding) and doubles as the "
+        "proximal pass.",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer in the backward pass instead of keeping its "

@@ -156,12 +156,17 @@ class Learner(PPOSteps):
 
     # ----------------------------------------------------------------------------- forward
 
-    def _micro_batches(self, num_rows: int) -> list[torch.Tensor]:
-        """Row indices of each micro-batch; the same number on every rank (ZeRO's collectives
-        run inside forward and backward, so every rank must run as many of them)."""
-        count = torch.tensor([math.ceil(num_rows / self.micro_batch_size)], device=self.device)
-        count = int(all_reduce_(count, "max").item())
-        return list(torch.arange(num_rows).tensor_split(count))
+    def _micro_batches(self, lengths: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
+        """Row indices of each micro-batch (`count` of them, or as many as
+        `micro_batch_size` needs), rows sorted by length so that a micro-batch's padding,
+        which its forward pass trims, is small. The same number on every rank (ZeRO's
+        collectives run inside forward and backward, so every rank runs as many of them)."""
+        rows = lengths.numel()
+        wanted = count if count is not None else math.ceil(rows / self.micro_batch_size)
+        wanted = torch.tensor([wanted], device=self.device)
+        wanted = int(all_reduce_(wanted, "max").item())
+        order = torch.argsort(lengths.cpu(), stable=True)
+        return list(order.tensor_split(wanted))
 
     def _scores(self, model, batch, rows: torch.Tensor, with_entropy: bool):
         """[r, W] log-probs at the token (and entropies, or None) of the micro-batch `rows`,
@@ -196,19 +201,22 @@ class Learner(PPOSteps):
         return out
 
     @torch.no_grad()
-    def _score(self, batch, micro, full: bool = True):
+    def _score(self, batch, micro, full: bool = True, ref_only: bool = False):
         """Recomputed log-probs, token entropies, and reference log-probs (None without a
         reference policy), each [B, L], under no_grad, micro-batch by micro-batch. With
-        `full=False` only the log-probs (entropy and reference are None)."""
-        logprobs = torch.zeros_like(batch["behavior_logprobs"])
-        entropy = torch.zeros_like(logprobs) if full else None
-        ref = torch.zeros_like(logprobs) if full and self.ref_model is not None else None
+        `full=False` only the log-probs (entropy and reference are None); with `ref_only` only
+        the reference's (the others None)."""
+        logprobs = None if ref_only else torch.zeros_like(batch["behavior_logprobs"])
+        entropy = torch.zeros_like(batch["behavior_logprobs"]) if full else None
+        want_ref = (full or ref_only) and self.ref_model is not None
+        ref = torch.zeros_like(batch["behavior_logprobs"]) if want_ref else None
         for rows in micro:
             rows = rows if rows.numel() else torch.zeros(1, dtype=torch.long)
-            values, token_entropy = self._scores(self.engine, batch, rows, full)
-            logprobs[rows] = values
-            if full:
-                entropy[rows] = token_entropy
+            if not ref_only:
+                values, token_entropy = self._scores(self.engine, batch, rows, full)
+                logprobs[rows] = values
+                if full:
+                    entropy[rows] = token_entropy
             if ref is not None:
                 ref[rows] = self._scores(self.ref_model, batch, rows, False)[0]
         return logprobs, entropy, ref

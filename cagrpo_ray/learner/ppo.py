@@ -58,7 +58,24 @@ class PPOSteps:
 
         # (1) Proximal log-probs under the current weights: the ratio's denominator, and what
         # the loss's batch statistics (kernel weights, Clip-Cov/KL-Cov selections) are taken on.
-        old_logprobs, entropy, ref_logprobs = self._score(batch, self._micro_batches(mask.shape[0]))
+        lengths = batch["attention_mask"].sum(1)
+        micro = self._micro_batches(lengths)
+        fused = None
+        if len(micro) == 1 and self.settings.ppo_epochs * self.settings.mini_batches == 1:
+            # One update, and the batch fits one micro-batch: the training forward pass is the
+            # proximal one (detached), as TRL does when it trains on-policy, so no second
+            # forward is needed. It runs in length-sorted parts (all kept for the backward
+            # pass), so that short rows are not padded to the longest.
+            micro = self._micro_batches(lengths, count=self.settings.length_buckets)
+            fused = [self._scores(self.engine, batch, rows, True) for rows in micro]
+            old_logprobs = torch.zeros_like(batch["behavior_logprobs"])
+            entropy = torch.zeros_like(old_logprobs)
+            for rows, (logprobs, token_entropy) in zip(micro, fused, strict=True):
+                old_logprobs[rows], entropy[rows] = logprobs.detach(), token_entropy.detach()
+            fused = (micro, fused)
+            ref_logprobs = self._score(batch, micro, full=False, ref_only=True)[2]
+        else:
+            old_logprobs, entropy, ref_logprobs = self._score(batch, micro)
         mismatch = (old_logprobs - batch["behavior_logprobs"]).abs()[mask]
         reducer.mean("logprob/mismatch_mean", mismatch.mean() if tokens else 0.0, tokens)
         reducer.max("logprob/mismatch_max", mismatch.max() if tokens else 0.0)
@@ -100,7 +117,7 @@ class PPOSteps:
             for index, rows in enumerate(minis):
                 first = epoch == 0 and index == 0
                 prepared = self._mini_batch_stats(inputs, rows, rollout_stats, horizon, first)
-                updates.append(self._update(inputs, rows, prepared))
+                updates.append(self._update(inputs, rows, prepared, fused))
         self.step += 1
 
         metrics = reducer.reduce()
@@ -117,12 +134,16 @@ class PPOSteps:
         )
         return metrics
 
-    def _update(self, inputs: _UpdateInputs, rows: torch.Tensor, prepared) -> dict[str, float]:
+    def _update(
+        self, inputs: _UpdateInputs, rows: torch.Tensor, prepared, fused=None
+    ) -> dict[str, float]:
         """One optimizer step on mini-batch `rows` (this rank's row indices), micro-batch by
-        micro-batch; returns its metrics, reduced over ranks."""
+        micro-batch; returns its metrics, reduced over ranks. `fused`: (micro-batches, their
+        (log-probs, entropies)), already computed with gradient by `train_step`."""
         batch, mask = inputs.batch, inputs.batch["response_mask"]
         reducer = RankReducer(self.device)
-        micro = self._micro_batches(rows.numel())
+        lengths = batch["attention_mask"][rows].sum(1)
+        micro = fused[0] if fused is not None else self._micro_batches(lengths)
         for index, within in enumerate(micro):
             padding = within.numel() == 0
             if padding:  # another rank has more micro-batches; ZeRO needs as many passes here
@@ -130,7 +151,11 @@ class PPOSteps:
             at = rows[within]  # row indices into the rank's batch
             self.engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
             with_entropy = bool(self.loss.entropy_coef)
-            logprobs, entropy = self._scores(self.engine, batch, at, with_entropy)
+            if fused is not None:  # computed with gradient in train_step
+                logprobs, entropy = fused[1][index]
+                entropy = entropy if with_entropy else None
+            else:
+                logprobs, entropy = self._scores(self.engine, batch, at, with_entropy)
             out = policy_loss(
                 self.loss,
                 logprobs,
@@ -199,7 +224,9 @@ class PPOSteps:
         mask = batch["response_mask"][rows]
         if self.settings.token_stats == "minibatch" and not first:
             current = self._score(
-                {k: v[rows] for k, v in batch.items()}, self._micro_batches(rows.numel()), False
+                {k: v[rows] for k, v in batch.items()},
+                self._micro_batches(batch["attention_mask"][rows].sum(1)),
+                False,
             )[0]
             return prepare_loss_inputs(
                 self.loss,
@@ -223,7 +250,7 @@ class PPOSteps:
         """KL(pi_before || pi_after) of this step on its own samples: k1 and k3 estimates from
         one more scoring pass (`measure_policy_change`)."""
         mask = batch["response_mask"]
-        new = self._score(batch, self._micro_batches(mask.shape[0]), False)[0]
+        new = self._score(batch, self._micro_batches(batch["attention_mask"].sum(1)), False)[0]
         d = (new - old_logprobs)[mask].double()  # log pi_after - log pi_before
         reducer = RankReducer(self.device)
         n = mask.sum()

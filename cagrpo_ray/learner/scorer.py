@@ -57,10 +57,18 @@ class TokenScorer(torch.nn.Module):
         at the token, [b, w] float32 entropies of the distribution each token was drawn from
         or None); both 0 in column 0."""
         decoder = self.policy.get_decoder()
+        if _right_padded(attention_mask):
+            # Under causal attention a real token never sees the padding after it, so no mask
+            # is needed (the padding's own outputs are never used) and attention can take its
+            # causal fast path instead of a masked one.
+            attention_mask = None
+            positions = None
+        else:
+            positions = position_ids(attention_mask)
         hidden = decoder(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids(attention_mask),
+            position_ids=positions,
             use_cache=False,
         ).last_hidden_state
         b, w, h = hidden.shape
@@ -95,3 +103,8 @@ class TokenScorer(torch.nn.Module):
 def _at_the_token(values: Tensor, b: int, w: int) -> Tensor:
     """[b * w] values of positions 0..w-1 (predicting tokens 1..w) -> [b, w] at the token."""
     return F.pad(values.view(b, w)[:, :-1], (1, 0))
+
+
+def _right_padded(attention_mask: Tensor) -> bool:
+    """Every row is its real tokens, then padding only: the mask never rises along a row."""
+    return bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())

@@ -34,6 +34,9 @@ class LearnerSettings:
     token_stats: "rollout" (the loss's batch statistics fixed once per rollout batch from the
         old policy) or "minibatch" (recomputed per mini-batch from the current policy).
     measure_policy_change: score the batch again after the step: KL(before || after).
+    length_buckets: when a rank's batch fits one micro-batch and the step is one update, its
+        training pass runs in this many length-sorted parts (all kept for the backward pass)
+        and doubles as the proximal pass.
     num_threads: torch CPU threads of this rank.
     dist_timeout_s: timeout of the data-parallel collectives.
     """
@@ -59,6 +62,7 @@ class LearnerSettings:
     mini_batches: int = 1
     token_stats: str = "rollout"
     measure_policy_change: bool = False
+    length_buckets: int = 4
     num_threads: int = 1
     dist_timeout_s: float = 1800.0
 
