@@ -114,6 +114,7 @@ class Trainer:
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
+        self.inspector = None  # the live token inspector's server
         self.pool: GeneratorPool | None = None
         self.reward_pool = None
         self.learners = None
@@ -187,9 +188,10 @@ class Trainer:
             cfg.sync.bucket_mb,
             self._wait,
         )
+        inspect = self.run_dir if cfg.metrics.inspect_every else None
         self.scheduler = Scheduler(
             cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
-            self.learners, coordinator, RolloutBuffer(), self._wait,
+            self.learners, coordinator, RolloutBuffer(), self._wait, inspect_dir=inspect,
         )  # fmt: skip
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
@@ -197,6 +199,13 @@ class Trainer:
             self.exporter = PrometheusExporter(cfg.run.name, cfg.metrics.port, cfg.metrics.host)
             self.exporter.start()
             log.info("metrics for Prometheus at %s", self.exporter.url)
+        if cfg.metrics.inspect_every and cfg.metrics.inspect_port is not None:
+            from cagrpo_ray.inspect import InspectorServer
+
+            self.inspector = InspectorServer(
+                self.run_dir, host=cfg.metrics.inspect_host, port=cfg.metrics.inspect_port
+            ).start()
+            log.info("token inspector at %s (the newest inspected step)", self.inspector.url)
         if self.resume:
             self._load_latest_checkpoint()
         self.scheduler.start()
@@ -319,6 +328,8 @@ class Trainer:
                 summary["policy_dir"] = self.learners.save_hf(str(self.run_dir / POLICY_DIR))
             summary["final_step"] = self.step
             summary["run_dir"] = str(self.run_dir)
+            if cfg.metrics.inspect_every:
+                summary["inspect_dir"] = str(self.run_dir / "inspect")
             records = read_metrics(self.metrics.path)
             plot_run(records, self.run_dir / "plots")
             summary = summarize(records, summary)
@@ -342,6 +353,9 @@ class Trainer:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self.inspector is not None:
+            self.inspector.close()
+            self.inspector = None
         if self.learners is not None:
             self.learners.shutdown()
         actors = list(self.pool.actors) if self.pool is not None else []

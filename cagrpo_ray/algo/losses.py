@@ -98,6 +98,7 @@ from cagrpo_ray.algo.batch_stats import (
     cagrpo_statistics,
     clip_cov_statistics,
     covariance_diagnostics,
+    diagnostic_covariance,
     kl_cov_statistics,
 )
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
@@ -270,12 +271,15 @@ def prepare_loss_inputs(
         )  # fmt: skip
         stats = registered.statistics(batch)
         metrics = dict(stats.metrics)
+        covariance = None
         if diagnostics:
             metrics.update(covariance_diagnostics(batch))
+            covariance = diagnostic_covariance(batch)
     horizon = max_response_length or layout.width
     return PreparedLoss(
-        spec.name, num_tokens, num_seqs, horizon, stats.token_weights, stats.kl_penalty, metrics
-    )
+        spec.name, num_tokens, num_seqs, horizon, stats.token_weights, stats.kl_penalty, metrics,
+        covariance,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -378,6 +378,25 @@ class MetricsConfig(Section):
     enabled: bool = Field(True, description="Serve live metrics for Prometheus from the driver.")
     port: int = Field(9400, ge=0, le=65535, description="Exporter port (0: pick a free one).")
     host: str = Field("0.0.0.0", description="Interface the exporter binds.")
+    inspect_every: int = Field(
+        1,
+        ge=0,
+        description="Keep the tokens of some prompt groups every this many learner steps for "
+        "the token inspector (python -m cagrpo_ray.inspect RUN_DIR; 0: never).",
+    )
+    inspect_groups: int = Field(2, ge=1, description="Whole prompt groups kept per inspected step.")
+    inspect_host: str = Field(
+        "127.0.0.1",
+        description="Interface the live token inspector binds (prompts and responses can be "
+        "sensitive: loopback unless you say otherwise).",
+    )
+    inspect_port: int | None = Field(
+        9401,
+        ge=0,
+        le=65535,
+        description="Port of the live token inspector the driver serves (0: a free one; "
+        "null: no live page, the files only).",
+    )
 
 
 class ClusterConfig(Section):
