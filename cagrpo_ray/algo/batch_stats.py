@@ -105,11 +105,13 @@ def no_statistics(b: BatchInputs) -> TokenStats:
 
 
 def cagrpo_statistics(b: BatchInputs) -> TokenStats:
-    """CA-GRPO's w~ over `spec.cov_scope` (or the ablations `unnormalized`, `ones`)."""
+    """CA-GRPO's w~ over `spec.cov_scope`, of width `spec.cagrpo_kappa` sigma (or the
+    ablations `unnormalized`, `ones`, and the one-sided `positive`, `negative`)."""
     kernel = b.spec.cagrpo_kernel
     scope, cov = b.covariance(b.spec.cov_scope)
+    side = kernel if kernel in ("positive", "negative") else "both"
     weights, sigma, degenerate = kernel_weights(
-        cov, b.mask, scope, normalize=kernel == "normalized"
+        cov, b.mask, scope, kernel != "unnormalized", b.spec.cagrpo_kappa, side
     )
     if kernel == "ones":  # ablation: the kernel frozen at 1 is GRPO, bit for bit
         weights = b.mask.clone()
