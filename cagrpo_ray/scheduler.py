@@ -47,6 +47,7 @@ import numpy as np
 import ray
 import torch
 
+from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
@@ -142,6 +143,12 @@ class Scheduler:
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
+        a = config.algorithm
+        self.kappa_controller = (
+            KappaController(a.cagrpo_kappa, a.kappa_entropy_band, a.kappa_rate, a.kappa_range)
+            if a.kappa_control == "entropy"
+            else None
+        )
 
     # ------------------------------------------------------------------- state
 
@@ -156,6 +163,7 @@ class Scheduler:
             "policy_version": self.policy_version,
             "requeue": list(self.requeue) + pending,
             "next_group_id": self.next_group_id,
+            "kappa_controller": self.kappa_controller and self.kappa_controller.state(),
         }
 
     def restore(self, state: dict) -> None:
@@ -165,6 +173,8 @@ class Scheduler:
         self.next_group_id = state.get(
             "next_group_id", self.step * self.config.rollout.prompts_per_step
         )
+        if self.kappa_controller is not None and state.get("kappa_controller"):
+            self.kappa_controller = KappaController.from_state(state["kappa_controller"])
 
     def start(self) -> None:
         """Form the weight-sync group and serve the learner's weights from the first step."""
@@ -204,11 +214,16 @@ class Scheduler:
             batch["response_mask"][torch.from_numpy(truncated)] = False
         staleness = self.policy_version - batch["policy_version"]
         inspect = self._groups_to_inspect(batch)
-        self.learn_refs = self.learners.submit_train_step(batch, inspect)
+        control = self.kappa_controller
+        options = {"cagrpo_kappa": control.kappa} if control is not None else None
+        self.learn_refs = self.learners.submit_train_step(batch, inspect, options)
         while self._pending(self.learn_refs):
             self._pump(wait_on=self.learn_refs)
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
+        if control is not None:  # this step's kappa, then the next step's from its entropy
+            learner_metrics["cagrpo/kappa"] = options["cagrpo_kappa"]
+            control.update(learner_metrics["entropy/mean"])
         t_trained = time.perf_counter()
         self.step += 1
         self.policy_version = self.step

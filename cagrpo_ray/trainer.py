@@ -142,6 +142,7 @@ class Trainer:
         self.model_path = str(resolve_policy(cfg.model.path, cfg.model.download_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_source, self.eval_items = self._sources()
+        self.hard_items = self._hard_items()
         log.info(
             "policy %s; %d training prompts, %d held-out prompts",
             self.model_path,
@@ -235,6 +236,17 @@ class Trainer:
         held_out = FilePromptSource(d.eval_path, **kwargs)
         return train, list(held_out.iter_from(0))[: d.eval_size]
 
+    def _hard_items(self) -> list:
+        """The harder held-out split (eval.hard_config), or [] when there is none. Its config
+        differs from training's, so no training question can be among them."""
+        from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
+
+        d, e = self.config.data, self.config.eval
+        if not e.hard_config:
+            return []
+        config = {**d.dataset_config, **e.hard_config}
+        return list(ReasoningGymSource(d.dataset, config, d.seed, e.hard_size, "eval").iter_from(0))
+
     def _held_out_exclusions(self) -> dict[str, int]:
         """Held-out prompts exclude the RL prompts and, for a built-in policy warm-started on
         the same task, seed and config, its warm-start questions too."""
@@ -284,19 +296,26 @@ class Trainer:
     # --------------------------------------------------------------------- the run
 
     def evaluate(self, label: str) -> dict:
+        """The held-out prompts at eval.temperature (with per-prompt details), then at each of
+        eval.temperatures (`T<t>/` metrics) and the harder split likewise (`hard/`)."""
         from cagrpo_ray.eval import evaluate
 
         cfg = self.config
-        result = evaluate(
-            self.scheduler,
-            self.tokenizer,
-            self.eval_items,
-            _RemoteRewardFunction(self.reward_pool),
-            cfg.eval.samples,
-            self.scheduler.sampling(cfg.eval.samples, cfg.eval.temperature, seed=EVAL_SEED),
-            instruction=instruction_text(cfg),
-            details=True,
-        )
+        reward_fn = _RemoteRewardFunction(self.reward_pool)
+
+        def at(items, temperature: float, details: bool) -> dict:
+            samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
+            sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
+            return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
+                            instruction=instruction_text(cfg), details=details)  # fmt: skip
+
+        result = at(self.eval_items, cfg.eval.temperature, True)
+        sets = [("", self.eval_items)] + ([("hard/", self.hard_items)] if self.hard_items else [])
+        for prefix, items in sets:
+            if prefix:
+                result.update(_prefixed(prefix, at(items, cfg.eval.temperature, False)))
+            for t in cfg.eval.temperatures:
+                result.update(_prefixed(f"{prefix}T{t:g}/", at(items, t, False)))
         log.info("eval (%s, step %d): %s", label, self.step, _fmt(result))
         return result
 

@@ -53,9 +53,12 @@ class LearnerActor:
         self.learner = Learner(settings, loss, **rank)
 
     def train_step(
-        self, batch: dict[str, torch.Tensor], inspect_groups: list[int] | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
     ) -> dict[str, float]:
-        return self.learner.train_step(batch, inspect_groups)
+        return self.learner.train_step(batch, inspect_groups, loss_options)
 
     def take_inspection(self) -> dict:
         return self.learner.take_inspection()
@@ -193,12 +196,16 @@ class LearnerGroup:
         self.actors = []
 
     def submit_train_step(
-        self, batch: dict[str, torch.Tensor], inspect_groups: list[int] | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
     ) -> list:
         """`train_step` without waiting: the ranks' object refs, for `collect(refs)`.
-        `inspect_groups`: groups whose per-token values the step keeps (`inspection`)."""
+        `inspect_groups`: groups whose per-token values the step keeps (`inspection`);
+        `loss_options`: loss options set from this step on (e.g. a controller's kappa)."""
         shards = split_by_groups(check_batch(batch), self.num_learners)
-        args = [(ray.put(s), inspect_groups) for s in shards]
+        args = [(ray.put(s), inspect_groups, loss_options) for s in shards]
         return self._submit("train_step", args_per_rank=args)
 
     def inspection(self) -> dict:

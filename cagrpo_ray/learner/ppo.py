@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from cagrpo_ray.algo import policy_loss, prepare_loss_inputs, truncated_is_weights
+from cagrpo_ray.algo.registry import as_spec
 from cagrpo_ray.learner.batch import check_batch, group_sizes
 from cagrpo_ray.learner.distributed import RankReducer, all_reduce_, data_parallel_group
 
@@ -33,7 +34,10 @@ class PPOSteps:
     """`Learner.train_step` and the updates it runs (see the module docstring)."""
 
     def train_step(
-        self, batch: dict[str, torch.Tensor], inspect_groups: list[int] | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
     ) -> dict[str, float]:
         """One learner step on this rank's shard of a rollout batch: `ppo_epochs` passes over
         its mini-batches, one optimizer step per mini-batch (by default one pass over the
@@ -52,9 +56,12 @@ class PPOSteps:
         normalisers are always the mini-batch's, over all ranks.
 
         `inspect_groups`: prompt groups whose per-token values this step keeps for the token
-        inspector (`take_inspection`); the rank keeps those it holds.
+        inspector (`take_inspection`); the rank keeps those it holds. `loss_options`: loss
+        options (`LossSpec` fields) set from this step on, e.g. a controller's `cagrpo_kappa`.
         """
         start = time.perf_counter()
+        if loss_options:
+            self.loss = as_spec(self.loss, loss_options)
         batch = self._to_device(check_batch(batch))
         mask = batch["response_mask"]
         reducer = RankReducer(self.device)
