@@ -11,7 +11,7 @@ policy's token entropy within a band around its starting value:
 
 A wide kernel (kappa -> infinity) weights every token 1, which is GRPO, whose entropy falls as
 it trains; a narrow one down-weights the extreme-covariance tokens, which slows that fall (and
-at this project's CPU scale reverses it: docs/results/evidence.md). The controller moves
+at this project's CPU scale reverses it: docs/results/evidence-round1.md). The controller moves
 between the two only when entropy leaves the band, so inside it the loss is a fixed-kappa
 CA-GRPO. The kappa of step t is decided from the entropies of steps before t (the entropy of a
 step is measured on its batch before the update).
