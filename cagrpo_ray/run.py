@@ -100,6 +100,8 @@ def final_report(summary: dict) -> str:
         f"plots:    {run_dir}/plots/",
         f"summary:  {run_dir}/summary.json",
     ]
+    if summary.get("inspect_dir"):
+        lines.append(f"tokens:   python -m cagrpo_ray.inspect {run_dir} --serve 8000")
     if summary.get("policy_dir"):
         lines.append(
             f"policy:   {summary['policy_dir']}  "

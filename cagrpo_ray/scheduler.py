@@ -44,15 +44,16 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 import ray
 import torch
 
+from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
+from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
-from cagrpo_ray.rollout.scoring import score_groups
+from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
 from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
@@ -93,23 +94,6 @@ def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> fl
     return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
 
 
-def rollout_metrics(table: pa.Table, group_size: int) -> dict:
-    """Reward, accuracy and length statistics of a batch taken from the buffer."""
-    rewards = table.column("reward").to_numpy()
-    lengths = table.column("response_len").to_numpy()
-    by_group = rewards.reshape(-1, group_size)
-    return {
-        "reward/mean": float(rewards.mean()),
-        "accuracy/train": float(np.mean(table.column("correct").to_numpy(zero_copy_only=False))),
-        "reward/equal_reward_groups": float(np.mean(np.ptp(by_group, axis=1) == 0)),
-        "response/length_mean": float(lengths.mean()),
-        "response/length_max": float(lengths.max()),
-        "response/truncated_fraction": float(
-            np.mean(np.asarray(table.column("finish_reason").to_pylist()) == "length")
-        ),
-    }
-
-
 @dataclass(frozen=True)
 class PromptChunk:
     """The label of a chunk in flight: which training prompts, as which groups."""
@@ -137,12 +121,14 @@ class Scheduler:
         coordinator: WeightSyncCoordinator,
         buffer: RolloutBuffer,
         wait,
+        inspect_dir=None,
     ):
         self.config = config
         self.tokenizer, self.train_source = tokenizer, train_source
         self.pool, self.reward_pool, self.learners = pool, reward_pool, learners
         self.coordinator, self.buffer = coordinator, buffer
         self._wait = wait
+        self.inspect_dir = inspect_dir  # the run directory when steps are inspected
         self.max_staleness = config.run.max_staleness
         self.instruction = instruction_text(config)
         self.step = 0
@@ -157,6 +143,12 @@ class Scheduler:
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
+        a = config.algorithm
+        self.kappa_controller = (
+            KappaController(a.cagrpo_kappa, a.kappa_entropy_band, a.kappa_rate, a.kappa_range)
+            if a.kappa_control == "entropy"
+            else None
+        )
 
     # ------------------------------------------------------------------- state
 
@@ -171,6 +163,7 @@ class Scheduler:
             "policy_version": self.policy_version,
             "requeue": list(self.requeue) + pending,
             "next_group_id": self.next_group_id,
+            "kappa_controller": self.kappa_controller and self.kappa_controller.state(),
         }
 
     def restore(self, state: dict) -> None:
@@ -180,6 +173,8 @@ class Scheduler:
         self.next_group_id = state.get(
             "next_group_id", self.step * self.config.rollout.prompts_per_step
         )
+        if self.kappa_controller is not None and state.get("kappa_controller"):
+            self.kappa_controller = KappaController.from_state(state["kappa_controller"])
 
     def start(self) -> None:
         """Form the weight-sync group and serve the learner's weights from the first step."""
@@ -218,14 +213,25 @@ class Scheduler:
             truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
             batch["response_mask"][torch.from_numpy(truncated)] = False
         staleness = self.policy_version - batch["policy_version"]
-        self.learn_refs = self.learners.submit_train_step(batch)
+        inspect = self._groups_to_inspect(batch)
+        control = self.kappa_controller
+        options = {"cagrpo_kappa": control.kappa} if control is not None else None
+        self.learn_refs = self.learners.submit_train_step(batch, inspect, options)
         while self._pending(self.learn_refs):
             self._pump(wait_on=self.learn_refs)
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
+        if control is not None:  # this step's kappa, then the next step's from its entropy
+            learner_metrics["cagrpo/kappa"] = options["cagrpo_kappa"]
+            control.update(learner_metrics["entropy/mean"])
         t_trained = time.perf_counter()
         self.step += 1
         self.policy_version = self.step
+        if inspect:
+            kept = self.learners.inspection()
+            meta = {"step": self.step, "policy_loss": cfg.algorithm.policy_loss,
+                    "cov_scope": cfg.algorithm.cov_scope, "run_name": cfg.run.name}  # fmt: skip
+            capture_step(self.inspect_dir, self.step, table, batch, kept, self.tokenizer, meta)
 
         # (3) Broadcast the new weights; replicas load them between requests.
         self.coordinator.finish()  # the previous broadcast (normally long done)
@@ -273,6 +279,13 @@ class Scheduler:
             }
         )
         return metrics
+
+    def _groups_to_inspect(self, batch) -> list[int] | None:
+        """The groups whose tokens the coming learner step keeps for the inspector, if any."""
+        m = self.config.metrics
+        if self.inspect_dir is None or not m.inspect_every or (self.step + 1) % m.inspect_every:
+            return None
+        return groups_to_inspect(batch["group_ids"].numpy(), m.inspect_groups, self.step + 1)
 
     def _outstanding(self) -> int:
         """Groups not yet taken by the learner: buffered, being scored, being generated."""

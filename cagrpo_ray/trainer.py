@@ -114,6 +114,7 @@ class Trainer:
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
+        self.inspector = None  # the live token inspector's server
         self.pool: GeneratorPool | None = None
         self.reward_pool = None
         self.learners = None
@@ -141,6 +142,7 @@ class Trainer:
         self.model_path = str(resolve_policy(cfg.model.path, cfg.model.download_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_source, self.eval_items = self._sources()
+        self.hard_items = self._hard_items()
         log.info(
             "policy %s; %d training prompts, %d held-out prompts",
             self.model_path,
@@ -187,9 +189,10 @@ class Trainer:
             cfg.sync.bucket_mb,
             self._wait,
         )
+        inspect = self.run_dir if cfg.metrics.inspect_every else None
         self.scheduler = Scheduler(
             cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
-            self.learners, coordinator, RolloutBuffer(), self._wait,
+            self.learners, coordinator, RolloutBuffer(), self._wait, inspect_dir=inspect,
         )  # fmt: skip
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
@@ -197,6 +200,13 @@ class Trainer:
             self.exporter = PrometheusExporter(cfg.run.name, cfg.metrics.port, cfg.metrics.host)
             self.exporter.start()
             log.info("metrics for Prometheus at %s", self.exporter.url)
+        if cfg.metrics.inspect_every and cfg.metrics.inspect_port is not None:
+            from cagrpo_ray.inspect import InspectorServer
+
+            self.inspector = InspectorServer(
+                self.run_dir, host=cfg.metrics.inspect_host, port=cfg.metrics.inspect_port
+            ).start()
+            log.info("token inspector at %s (the newest inspected step)", self.inspector.url)
         if self.resume:
             self._load_latest_checkpoint()
         self.scheduler.start()
@@ -225,6 +235,17 @@ class Trainer:
         train = FilePromptSource(d.path, **kwargs)
         held_out = FilePromptSource(d.eval_path, **kwargs)
         return train, list(held_out.iter_from(0))[: d.eval_size]
+
+    def _hard_items(self) -> list:
+        """The harder held-out split (eval.hard_config), or [] when there is none. Its config
+        differs from training's, so no training question can be among them."""
+        from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
+
+        d, e = self.config.data, self.config.eval
+        if not e.hard_config:
+            return []
+        config = {**d.dataset_config, **e.hard_config}
+        return list(ReasoningGymSource(d.dataset, config, d.seed, e.hard_size, "eval").iter_from(0))
 
     def _held_out_exclusions(self) -> dict[str, int]:
         """Held-out prompts exclude the RL prompts and, for a built-in policy warm-started on
@@ -275,19 +296,26 @@ class Trainer:
     # --------------------------------------------------------------------- the run
 
     def evaluate(self, label: str) -> dict:
+        """The held-out prompts at eval.temperature (with per-prompt details), then at each of
+        eval.temperatures (`T<t>/` metrics) and the harder split likewise (`hard/`)."""
         from cagrpo_ray.eval import evaluate
 
         cfg = self.config
-        result = evaluate(
-            self.scheduler,
-            self.tokenizer,
-            self.eval_items,
-            _RemoteRewardFunction(self.reward_pool),
-            cfg.eval.samples,
-            self.scheduler.sampling(cfg.eval.samples, cfg.eval.temperature, seed=EVAL_SEED),
-            instruction=instruction_text(cfg),
-            details=True,
-        )
+        reward_fn = _RemoteRewardFunction(self.reward_pool)
+
+        def at(items, temperature: float, details: bool) -> dict:
+            samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
+            sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
+            return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
+                            instruction=instruction_text(cfg), details=details)  # fmt: skip
+
+        result = at(self.eval_items, cfg.eval.temperature, True)
+        sets = [("", self.eval_items)] + ([("hard/", self.hard_items)] if self.hard_items else [])
+        for prefix, items in sets:
+            if prefix:
+                result.update(_prefixed(prefix, at(items, cfg.eval.temperature, False)))
+            for t in cfg.eval.temperatures:
+                result.update(_prefixed(f"{prefix}T{t:g}/", at(items, t, False)))
         log.info("eval (%s, step %d): %s", label, self.step, _fmt(result))
         return result
 
@@ -319,6 +347,8 @@ class Trainer:
                 summary["policy_dir"] = self.learners.save_hf(str(self.run_dir / POLICY_DIR))
             summary["final_step"] = self.step
             summary["run_dir"] = str(self.run_dir)
+            if cfg.metrics.inspect_every:
+                summary["inspect_dir"] = str(self.run_dir / "inspect")
             records = read_metrics(self.metrics.path)
             plot_run(records, self.run_dir / "plots")
             summary = summarize(records, summary)
@@ -342,6 +372,9 @@ class Trainer:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        if self.inspector is not None:
+            self.inspector.close()
+            self.inspector = None
         if self.learners is not None:
             self.learners.shutdown()
         actors = list(self.pool.actors) if self.pool is not None else []

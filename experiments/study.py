@@ -10,7 +10,8 @@ skipped, which makes the study resumable after an interruption. Runs execute fro
 snapshot of the package (`git archive` of one commit, recorded in `<out>/SOURCE_COMMIT`), so that
 edits to the working tree during a long study cannot make its runs incomparable.
 
-`--aggregate-only` rebuilds `docs/results/evidence.md` and its plots from the runs on disk.
+`--aggregate-only` rebuilds `docs/results/evidence-round1.md` (round 1; round 2 is
+`study2.py`) and its plots from the runs on disk.
 What runs is `study_plan.py`; the page is the template `study_page.md`, filled by
 `study_page.py` with the tables (`study_tables.py`) and figures (`study_plots.py`) computed
 from the runs. The interpretation (what the numbers mean) lives in
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=REPO / "runs/study", help="Run folder.")
-    parser.add_argument("--page", type=Path, default=REPO / "docs/results/evidence.md")
+    parser.add_argument("--page", type=Path, default=REPO / "docs/results/evidence-round1.md")
     parser.add_argument("--aggregate-only", action="store_true", help="Only rebuild the page.")
     parser.add_argument("--only", nargs="*", help="Run only these groups (probe, main, ...).")
     parser.add_argument("--dry-run", action="store_true", help="Print the commands, run nothing.")

@@ -161,3 +161,37 @@ def test_lr_schedule_options():
         with pytest.raises(ConfigError) as err:
             load_config(None, [override])
         assert fragment in str(err.value), override
+
+
+def test_kernel_width_and_its_controller_options():
+    config = load_config(None, ["algorithm.cagrpo_kappa=2", "algorithm.cagrpo_kernel=positive"])
+    spec = config.algorithm.loss_spec()
+    assert (spec.cagrpo_kappa, spec.cagrpo_kernel) == (2.0, "positive")
+    steered = load_config(None, ["algorithm.kappa_control=entropy",
+                                 "algorithm.kappa_entropy_band=[0.8, 1.25]"])  # fmt: skip
+    assert steered.algorithm.kappa_entropy_band == (0.8, 1.25)
+    for overrides, fragment in (
+        (["algorithm.cagrpo_kappa=0"], "algorithm.cagrpo_kappa: 0 is invalid"),
+        (["algorithm.kappa_entropy_band=[1.1, 1.2]"], "0 < low < 1 < high"),
+        (["algorithm.cagrpo_kappa=100"], "must contain cagrpo_kappa"),
+        (["algorithm.kappa_control=entropy", "algorithm.policy_loss=grpo"],
+         "policy_loss is 'grpo'"),
+        (["algorithm.kappa_control=pid"], "'pid' is not one of off, entropy"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        assert fragment in str(err.value), overrides
+
+
+def test_evaluation_temperatures_and_harder_split(tmp_path):
+    config = load_config(None, ["eval.temperatures=[0.7, 0]", "eval.hard_config={min_terms: 5}"])
+    assert config.eval.temperatures == [0.7, 0.0] and config.eval.hard_config == {"min_terms": 5}
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["eval.temperatures=[-0.5]"])
+    assert "eval.temperatures must be >= 0" in str(err.value)
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"question": "1+1", "answer": "2"}\n')
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["data.source=file", f"data.path={path}", f"data.eval_path={path}",
+                           "eval.hard_config={min_terms: 5}"])  # fmt: skip
+    assert "eval.hard_config describes a harder reasoning_gym split" in str(err.value)

@@ -93,7 +93,10 @@ def test_every_dashboard_metric_is_exported_and_every_metric_is_shown():
 def test_dashboard_panels_filter_by_the_run_variable_and_use_the_datasource_variable():
     dashboard = json.loads(DASHBOARD.read_text())
     names = [v["name"] for v in dashboard["templating"]["list"]]
-    assert names == ["datasource", "run"]
+    assert names == ["datasource", "run", "inspector"]
+    # the token inspector: a dashboard link to the URL the driver serves it at
+    (link,) = dashboard["links"]
+    assert link["url"] == "${inspector}" and link["targetBlank"]
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:

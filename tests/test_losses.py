@@ -617,6 +617,78 @@ def test_kernel_frozen_at_one_is_grpo_bit_for_bit(b, agg, scope):
     assert torch.equal(grad_grpo, grad_ones)
 
 
+@HYPOTHESIS
+@given(
+    batches(),
+    st.sampled_from(["group", "batch"]),
+    st.sampled_from([0.5, 1.0, 2.0, 8.0]),
+    st.sampled_from(["both", "positive", "negative"]),
+)
+def test_kernel_width_and_side_match_reference(b, scope, kappa, side):
+    _, old, adv, mask, gid = as_torch(b)
+    got = cagrpo_token_weights(old, adv, mask, gid, scope=scope, kappa=kappa, side=side)
+    want = reference_weights(
+        b["old"], b["adv"], b["mask"], b["group_ids"], scope, kappa=kappa, side=side
+    )
+    assert torch.isfinite(got).all()
+    np.testing.assert_allclose(got.numpy(), want, rtol=2e-4, atol=2e-5)
+    if b["mask"].any() and scope == "batch":
+        assert got[mask].mean().item() == pytest.approx(1.0, rel=1e-5)
+    # through the loss's options: the same weights
+    kernel = "normalized" if side == "both" else side
+    prepared = prepare_loss_inputs(
+        "cagrpo", old, adv, mask, gid, cov_scope=scope, cagrpo_kernel=kernel, cagrpo_kappa=kappa
+    )
+    assert torch.equal(prepared.token_weights, got)
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(["group", "batch"]))
+def test_one_sided_kernels_leave_the_other_side_alone(b, scope):
+    """The tokens off the kernel's side share one weight per scope (the normalizer), the
+    paper's kernel at kappa 1 is the default bit for bit, and a wide kernel is GRPO's 1."""
+    _, old, adv, mask, gid = as_torch(b)
+    c = token_covariance(old, adv, mask, gid, scope=scope)
+    default = cagrpo_token_weights(old, adv, mask, gid, scope=scope)
+    assert torch.equal(cagrpo_token_weights(old, adv, mask, gid, scope=scope, kappa=1.0), default)
+    wide = cagrpo_token_weights(old, adv, mask, gid, scope=scope, kappa=1e4)
+    np.testing.assert_allclose(wide[mask].numpy(), 1.0, rtol=1e-5)
+    for side, off in (("positive", c <= 0), ("negative", c >= 0)):
+        w = cagrpo_token_weights(old, adv, mask, gid, scope=scope, side=side)
+        rows = [torch.arange(len(gid))] if scope == "batch" else [gid == g for g in gid.unique()]
+        for r in rows:
+            kept = w[r][(off & mask)[r]]
+            if kept.numel():
+                torch.testing.assert_close(kept, kept[:1].expand_as(kept))
+                assert kept[0] >= 1.0 - 1e-6  # the others only lose weight
+
+
+def test_one_sided_kernel_underflow_and_bad_options():
+    # c = (1, 1, 1.01, 1.01): every kernel value underflows; all four c are positive
+    logp = torch.tensor([[-1.0], [-3.0], [-0.99], [-3.01]])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask = torch.ones(4, 1)
+    positive = cagrpo_token_weights(logp, adv, mask, scope="batch", side="positive")
+    torch.testing.assert_close(positive[:, 0], torch.tensor([2.0, 2.0, 0.0, 0.0]))
+    negative = cagrpo_token_weights(logp, adv, mask, scope="batch", side="negative")
+    assert torch.equal(negative, torch.ones(4, 1))  # no token has c < 0
+    # two groups: the first underflows, the second has tokens off the kernel's side
+    logp2 = torch.cat([logp, torch.tensor([[-0.1], [-2.0], [-0.2], [-5.0]])])
+    adv2 = torch.cat([adv, torch.tensor([1.0, 1.0, -1.0, -1.0])])
+    gid = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    for side in ("positive", "negative", "both"):
+        got = cagrpo_token_weights(logp2, adv2, torch.ones(8, 1), gid, side=side)
+        want = reference_weights(logp2.numpy(), adv2.numpy(), np.ones((8, 1), bool),
+                                 gid.numpy(), "group", side=side)  # fmt: skip
+        np.testing.assert_allclose(got.numpy(), want, atol=1e-6)
+    with pytest.raises(ValueError, match="kappa"):
+        cagrpo_token_weights(logp, adv, mask, scope="batch", kappa=0.0)
+    with pytest.raises(ValueError, match="both, positive, negative"):
+        cagrpo_token_weights(logp, adv, mask, scope="batch", side="upper")
+    with pytest.raises(ValueError, match="cagrpo_kappa"):
+        LossSpec("cagrpo", cagrpo_kappa=-1.0)
+
+
 def test_unknown_kernel_is_refused_with_the_choices():
     _, old, adv, mask, gid = as_torch(
         {
@@ -627,7 +699,7 @@ def test_unknown_kernel_is_refused_with_the_choices():
             "group_ids": np.zeros(2, np.int64),
         }
     )
-    with pytest.raises(ValueError, match="normalized, unnormalized, ones"):
+    with pytest.raises(ValueError, match="normalized, unnormalized, ones, positive, negative"):
         prepare_loss_inputs("cagrpo", old, adv, mask, gid, cagrpo_kernel="flat")
 
 

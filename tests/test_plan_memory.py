@@ -145,6 +145,9 @@ def _measure_and_send(connection, *args) -> None:
     connection.close()
 
 
+MEASURE_TIMEOUT_S = 600
+
+
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory):
     torch.set_num_threads(1)
@@ -155,9 +158,10 @@ def policies(tmp_path_factory):
 @pytest.fixture(scope="module")
 def measure(policies):
     """measure(size name, zero stage, checkpointing, dtype) -> dict, each case measured once,
-    in a forked process (the imports are done; the process group is the child's own)."""
+    in a fresh process with its own process group. Spawned, not forked: a fork of this process
+    after other tests have run can inherit a lock held by one of their threads and hang."""
     done = {}
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("spawn")
 
     def run(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> dict:
         key = (name, stage, checkpointing, dtype)
@@ -167,6 +171,9 @@ def measure(policies):
             child = context.Process(target=_measure_and_send, args=(theirs, *args))
             child.start()
             theirs.close()
+            if not ours.poll(MEASURE_TIMEOUT_S):
+                child.kill()
+                pytest.fail(f"measuring {key} took over {MEASURE_TIMEOUT_S} s")
             status, value = ours.recv()
             child.join()
             assert status == "ok", value

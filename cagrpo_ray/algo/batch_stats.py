@@ -47,12 +47,14 @@ class PreparedLoss:
     token_weights: Tensor | None = None  # [B, T]: multiplies A_i per token (w~; Clip-Cov's 0/1)
     kl_penalty: Tensor | None = None  # [B, T] 0/1: KL-Cov's penalized tokens
     metrics: dict[str, float] = field(default_factory=dict)  # batch-level statistics
+    covariance: Tensor | None = None  # [B, T] c over cov_scope (the diagnostics'), no gradient
 
     def rows(self, index: slice | Tensor) -> PreparedLoss:
         return replace(
             self,
             token_weights=_rows(self.token_weights, index),
             kl_penalty=_rows(self.kl_penalty, index),
+            covariance=_rows(self.covariance, index),
         )
 
     def with_normalisers(self, num_tokens: float, num_seqs: float) -> PreparedLoss:
@@ -103,11 +105,13 @@ def no_statistics(b: BatchInputs) -> TokenStats:
 
 
 def cagrpo_statistics(b: BatchInputs) -> TokenStats:
-    """CA-GRPO's w~ over `spec.cov_scope` (or the ablations `unnormalized`, `ones`)."""
+    """CA-GRPO's w~ over `spec.cov_scope`, of width `spec.cagrpo_kappa` sigma (or the
+    ablations `unnormalized`, `ones`, and the one-sided `positive`, `negative`)."""
     kernel = b.spec.cagrpo_kernel
     scope, cov = b.covariance(b.spec.cov_scope)
+    side = kernel if kernel in ("positive", "negative") else "both"
     weights, sigma, degenerate = kernel_weights(
-        cov, b.mask, scope, normalize=kernel == "normalized"
+        cov, b.mask, scope, kernel != "unnormalized", b.spec.cagrpo_kappa, side
     )
     if kernel == "ones":  # ablation: the kernel frozen at 1 is GRPO, bit for bit
         weights = b.mask.clone()
@@ -156,11 +160,17 @@ def kl_cov_statistics(b: BatchInputs) -> TokenStats:
     return TokenStats(kl_penalty=chosen.to(torch.float32), metrics=metrics)
 
 
-def covariance_diagnostics(b: BatchInputs) -> dict[str, float]:
-    """Mean, std and the paper's quantile table of c over this rank's tokens, with c centred
-    over `spec.cov_scope` (over the batch without group ids); reuses the loss's covariances."""
+def diagnostic_covariance(b: BatchInputs) -> Tensor:
+    """[B, T] c centred over `spec.cov_scope` (over the batch without group ids), the loss's
+    own covariances when it has them."""
     kind = b.spec.cov_scope if b.group_ids is not None else "batch"
-    c = b.covariance(kind)[1].c
+    return b.covariance(kind)[1].c
+
+
+def covariance_diagnostics(b: BatchInputs) -> dict[str, float]:
+    """Mean, std and the paper's quantile table of c over this rank's tokens (see
+    `diagnostic_covariance`)."""
+    c = diagnostic_covariance(b)
     n = max(float(b.mask.sum(1).sum()), 1.0)
     mean = float(c.sum()) / n
     metrics = {

@@ -68,32 +68,54 @@ class KernelWeights(NamedTuple):
     degenerate: Tensor  # [num_scopes] bool: sigma counts as 0, every weight is 1
 
 
+KERNEL_SIDES = ("both", "positive", "negative")
+
+
 def kernel_weights(
-    cov: ScopeCovariance, mask: Tensor, scope: Scope, normalize: bool = True
+    cov: ScopeCovariance,
+    mask: Tensor,
+    scope: Scope,
+    normalize: bool = True,
+    kappa: float = 1.0,
+    side: str = "both",
 ) -> KernelWeights:
     """CA-GRPO's w~ from the token covariances of `scope_covariance` (see cagrpo_token_weights).
 
     normalize=False returns the raw kernel w = exp(-c^2 / (2 sigma^2)) (an ablation: the
-    loss then shrinks by mean_S w instead of keeping the scope's total weight)."""
+    loss then shrinks by mean_S w instead of keeping the scope's total weight). kappa widens
+    the kernel to kappa * sigma; side "positive" ("negative") applies it only to tokens with
+    c > 0 (c < 0), the others keep w = 1 before the normalization."""
+    if side not in KERNEL_SIDES:
+        raise ValueError(f"side {side!r} is not one of {', '.join(KERNEL_SIDES)}")
+    if not kappa > 0:
+        raise ValueError(f"kappa must be positive, got {kappa}")
     c, size, mean_c = cov
     deviation = torch.addcmul(c, mask, scope.rows(mean_c).float()[:, None], value=-1.0)
     var = scope.totals(deviation.square_().sum(1).double()[:, None])[:, 0] / size.clamp(min=1)
     sigma = var.sqrt()
     degenerate = (sigma < SIGMA_FLOOR) | (sigma <= SIGMA_RESOLUTION * (var + mean_c**2).sqrt())
-    # exp(-c^2 / (2 sigma^2)) = 2 ** (c^2 * scale): exp2 is several times faster than exp on CPU.
-    scale = torch.where(degenerate, 0.0, -1.0 / (2.0 * math.log(2.0) * var.clamp(min=1e-300)))
+    # exp(-c^2 / (2 kappa^2 sigma^2)) = 2 ** (c^2 * scale): exp2 is several times faster than
+    # exp on CPU.
+    width = 2.0 * math.log(2.0) * kappa**2
+    scale = torch.where(degenerate, 0.0, -1.0 / (width * var.clamp(min=1e-300)))
     scale = scope.rows(scale).float()[:, None]
-    w = torch.mul(c, c, out=deviation).mul_(scale).exp2_().mul_(mask)
+    exponent = torch.mul(c, c, out=deviation).mul_(scale)
+    if side != "both":  # the other side's tokens keep w = 1 (exponent 0)
+        exponent.masked_fill_(c <= 0 if side == "positive" else c >= 0, 0.0)
+    w = exponent.exp2().mul_(mask)
     if not normalize:
         return KernelWeights(w, sigma, degenerate)
     total = scope.totals(w.sum(1).double()[:, None])[:, 0]
-    if bool(((total < 1e-30) & (size > 0)).any()):
-        # Every |c| in some scope is far beyond sigma, so every w underflows. w~ does not change
-        # if all w of a scope are multiplied by one constant: divide by the largest.
-        floor = scope.minima(torch.where(mask > 0, c.square(), torch.inf).amin(1))
-        # clamp: off the mask c = 0 lies below the floor, and exp2 of a large positive number
-        # would be inf, and inf * 0 NaN
-        w = (c.square() - scope.rows(floor).float()[:, None]).mul_(scale).clamp_(max=0.0)
+    underflow = (total < 1e-30) & (size > 0)
+    if bool(underflow.any()):
+        # Every |c| in some scope is far beyond sigma, so every w underflows (then every token
+        # of the scope is on the kernel's side: the others have w = 1). w~ does not change if
+        # all w of a scope are multiplied by one constant: divide those scopes' by the largest.
+        largest = torch.where(mask > 0, exponent, -torch.inf).amax(1)  # [B]
+        floor = torch.where(underflow, -scope.minima(-largest), 0.0)  # a scope's largest
+        # clamp: off the mask the exponent is 0, above the floor, and exp2 of a large positive
+        # number would be inf, and inf * 0 NaN
+        w = (exponent - scope.rows(floor).float()[:, None]).clamp_(max=0.0)
         w = w.exp2_().mul_(mask)
         total = scope.totals(w.sum(1).double()[:, None])[:, 0]
     norm = torch.where(size > 0, size / total.clamp(min=1e-300), 0.0)  # |S| / sum_S w
@@ -134,6 +156,8 @@ def cagrpo_token_weights(
     group_ids: Tensor | None = None,
     scope: str = "group",
     process_group=None,
+    kappa: float = 1.0,
+    side: str = "both",
 ) -> Tensor:
     """CA-GRPO's normalized Gaussian-kernel weights w~ (arXiv 2605.11538), without gradient.
 
@@ -141,7 +165,11 @@ def cagrpo_token_weights(
 
         c = (logp - mean_S logp) * (A - mean_S A)        (A broadcast to its response's tokens)
         sigma = population std of c over S (ddof = 0);  sigma < 1e-8: every weight is 1
-        w = exp(-c^2 / (2 sigma^2));  w~ = w * |S| / sum_S w
+        w = exp(-c^2 / (2 kappa^2 sigma^2));  w~ = w * |S| / sum_S w
+
+    kappa = 1 is the paper's kernel; kappa -> infinity is GRPO (every weight 1). side
+    "positive" ("negative") keeps w = 1 for tokens with c <= 0 (c >= 0): the kernel acts on
+    one tail only (an ablation).
 
     Args:
         logprobs, mask: [B, T] (mask bool or 0/1); advantages: [B], one per response.
@@ -158,7 +186,8 @@ def cagrpo_token_weights(
     with torch.no_grad():
         m = float_mask(mask)
         s = Scope.of(scope, group_ids, logprobs.shape[0], logprobs.device, process_group)
-        return kernel_weights(scope_covariance(logprobs, advantages, m, s), m, s).weights
+        cov = scope_covariance(logprobs, advantages, m, s)
+        return kernel_weights(cov, m, s, kappa=kappa, side=side).weights
 
 
 def _uniform_keys(seed: int, layout: RowLayout, shape, device) -> Tensor:

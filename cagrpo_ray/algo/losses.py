@@ -21,6 +21,22 @@ Gaussian-Kernel Advantage Reweighting", ACL 2026, arXiv 2605.11538), in one plac
     < 1e-8 every weight is 1. Here c uses pi_old's log-probs, so that the weights are fixed
     for the whole batch (they equal pi's on the first, on-policy pass).
 
+Options beyond the paper (`LossSpec`): the kernel's width, w_t = exp(-c_t^2 / (2 kappa^2
+sigma^2)) with `cagrpo_kappa` (1: the paper's; kappa -> infinity: every weight 1, GRPO), which
+`KappaController` (`controllers.py`) can set step by step to hold the token entropy in a band;
+and the ablations `cagrpo_kernel` = "unnormalized" (w instead of w~), "ones" (GRPO bit for
+bit), "positive" / "negative" (the kernel on the tokens with c > 0, resp. c < 0, only; the
+others keep w = 1 before the normalization).
+
+Several updates per rollout batch
+---------------------------------
+The learner (`learner/ppo.py`) may take `ppo_epochs` passes over `mini_batch_size`-response
+mini-batches, one optimizer step each. The statistics of `prepare_loss_inputs` (kernel weights,
+Clip-Cov / KL-Cov selections) are then fixed once per rollout batch from pi_old's log-probs
+(`token_stats="rollout"`, the default), or recomputed for every mini-batch from the current
+policy's (`"minibatch"`, as verl does); the normalisers are each mini-batch's. From the second
+update on r_t moves away from 1, so PPO's clipping, the dual-clip and KL-Cov's |log r| act.
+
 The same equations as plain float64 loops, which the tests compare with: `reference.py`.
 
 Baselines in the same registry: `grpo` (PPO-clip with separate eps_low / eps_high, i.e. DAPO's
@@ -98,6 +114,7 @@ from cagrpo_ray.algo.batch_stats import (
     cagrpo_statistics,
     clip_cov_statistics,
     covariance_diagnostics,
+    diagnostic_covariance,
     kl_cov_statistics,
 )
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
@@ -270,12 +287,15 @@ def prepare_loss_inputs(
         )  # fmt: skip
         stats = registered.statistics(batch)
         metrics = dict(stats.metrics)
+        covariance = None
         if diagnostics:
             metrics.update(covariance_diagnostics(batch))
+            covariance = diagnostic_covariance(batch)
     horizon = max_response_length or layout.width
     return PreparedLoss(
-        spec.name, num_tokens, num_seqs, horizon, stats.token_weights, stats.kl_penalty, metrics
-    )
+        spec.name, num_tokens, num_seqs, horizon, stats.token_weights, stats.kl_penalty, metrics,
+        covariance,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,12 @@ def token_covariance(logp, adv, mask, group_ids, scope: str) -> np.ndarray:
     return c
 
 
-def kernel_weights(logp, adv, mask, group_ids, scope: str, normalize: bool = True) -> np.ndarray:
-    """CA-GRPO's w~ (or the raw kernel w with normalize=False) on valid tokens, 0 elsewhere."""
+def kernel_weights(
+    logp, adv, mask, group_ids, scope: str, normalize: bool = True, kappa=1.0, side="both"
+) -> np.ndarray:
+    """CA-GRPO's w~ (or the raw kernel w with normalize=False) on valid tokens, 0 elsewhere:
+    w = exp(-c^2 / (2 kappa^2 sigma^2)) on the tokens of `side` ("both", "positive": c > 0,
+    "negative": c < 0), 1 on the others."""
     c = token_covariance(logp, adv, mask, group_ids, scope)
     weights = np.zeros(mask.shape)
     for rows in scopes(mask.shape[0], group_ids, scope):
@@ -79,11 +83,14 @@ def kernel_weights(logp, adv, mask, group_ids, scope: str, normalize: bool = Tru
         cs = np.array([c[i, t] for i, t in tokens])
         sigma = cs.std()
         if sigma < SIGMA_FLOOR:
-            w = np.ones(len(tokens))
-        elif not normalize:
-            w = np.exp(-(cs**2) / (2 * sigma**2))
+            for i, t in tokens:
+                weights[i, t] = 1.0
+            continue
+        on_side = {"both": np.ones(len(cs), bool), "positive": cs > 0, "negative": cs < 0}[side]
+        exponent = np.where(on_side, -(cs**2) / (2 * kappa**2 * sigma**2), 0.0)
+        if not normalize:
+            w = np.exp(exponent)
         else:
-            exponent = -(cs**2) / (2 * sigma**2)
             w = np.exp(exponent - exponent.max())  # a common factor of the scope cancels in w~
             w = w * len(tokens) / w.sum()
         for (i, t), value in zip(tokens, w, strict=True):

@@ -19,7 +19,7 @@ from cagrpo_ray.algo.batch_stats import BatchInputs, PreparedLoss, TokenStats, n
 from cagrpo_ray.algo.kl_penalty import KL_ESTIMATORS
 from cagrpo_ray.algo.stats import SCOPES
 
-CAGRPO_KERNELS = ("normalized", "unnormalized", "ones")
+CAGRPO_KERNELS = ("normalized", "unnormalized", "ones", "positive", "negative")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,12 @@ class LossSpec:
     clip_ratio_c: dual-clip bound c > 1 on the loss of a token with A < 0 (`ppo_clip`; verl's
         clip_ratio_c); None: off.
     cov_scope: CA-GRPO's token set S, "group" (a prompt group's tokens) or "batch".
-    cagrpo_kernel: "normalized" (the paper's w~), or the ablations "unnormalized" (w) and
-        "ones" (every weight 1: GRPO bit for bit).
+    cagrpo_kernel: "normalized" (the paper's w~), or the ablations "unnormalized" (w),
+        "ones" (every weight 1: GRPO bit for bit), "positive" and "negative" (w~ with the
+        kernel on the tokens with c > 0, resp. c < 0, only; the others' w is 1).
+    cagrpo_kappa: the kernel's width in units of sigma, w = exp(-c^2 / (2 kappa^2 sigma^2));
+        1 is the paper's, infinity GRPO's (a controller may set it step by step:
+        `algo/controllers.py`).
     clip_cov_ratio, clip_cov_lb, clip_cov_ub: Clip-Cov's fraction of tokens and covariance band.
     kl_cov_ratio, kl_cov_coef: KL-Cov's fraction of tokens and coefficient of |log r|.
     kl_coef: coefficient of the KL penalty to a reference policy (0: off).
@@ -50,6 +54,7 @@ class LossSpec:
     clip_ratio_c: float | None = 3.0
     cov_scope: str = "group"
     cagrpo_kernel: str = "normalized"
+    cagrpo_kappa: float = 1.0
     clip_cov_ratio: float = 2e-4
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
@@ -70,6 +75,8 @@ class LossSpec:
         ):
             if value not in allowed:
                 raise ValueError(f"{what} {value!r} is not one of {', '.join(allowed)}")
+        if not self.cagrpo_kappa > 0:
+            raise ValueError(f"cagrpo_kappa must be positive, got {self.cagrpo_kappa}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
             raise ValueError(
                 f"clip_ratio_c must be above 1 or None (off), got {self.clip_ratio_c}: at c <= 1 "

@@ -52,6 +52,12 @@ def check_across_sections(config: Config) -> Config:
             "learner's, which biases algorithm.tis_cap's weights and trains another policy than "
             "the one sampled. Set rollout.top_p 1.0 and rollout.top_k 0"
         )
+    if config.eval.hard_config and config.data.source != "reasoning_gym":
+        raise ValueError(
+            "eval.hard_config describes a harder reasoning_gym split; data.source is "
+            f"{config.data.source!r} (put harder problems in their own file and evaluate it with "
+            "python -m cagrpo_ray.eval, or leave eval.hard_config empty)"
+        )
     if config.sync.timeout_s >= config.learner.dist_timeout_s:
         raise ValueError(
             f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "

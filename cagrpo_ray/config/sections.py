@@ -207,7 +207,31 @@ class AlgorithmConfig(Section):
     cagrpo_kernel: Literal[CAGRPO_KERNELS] = Field(
         "normalized",
         description="CA-GRPO's weights: normalized (the paper's w~); the ablations unnormalized "
-        "(raw Gaussian kernel w) and ones (every weight 1, which is GRPO).",
+        "(raw Gaussian kernel w), ones (every weight 1, which is GRPO), positive and negative "
+        "(the kernel on the tokens with c > 0, resp. c < 0, only).",
+    )
+    cagrpo_kappa: float = Field(
+        1.0,
+        gt=0,
+        description="CA-GRPO's kernel width in units of sigma: w = exp(-c^2 / (2 kappa^2 "
+        "sigma^2)); 1 is the paper's, larger is closer to GRPO. With kappa_control 'entropy', "
+        "the controller's starting value.",
+    )
+    kappa_control: Literal["off", "entropy"] = Field(
+        "off",
+        description="CA-GRPO's kappa steered step by step to hold the learner's token entropy "
+        "within kappa_entropy_band of the first step's (algo/controllers.py), or fixed.",
+    )
+    kappa_entropy_band: tuple[float, float] = Field(
+        (0.85, 1.15),
+        description="The controller's target band for entropy, as fractions of the first "
+        "step's: above it kappa grows (towards GRPO, whose entropy falls), below it shrinks.",
+    )
+    kappa_rate: float = Field(
+        0.1, gt=0, description="The controller's step: kappa is multiplied or divided by e^rate."
+    )
+    kappa_range: tuple[float, float] = Field(
+        (0.25, 64.0), description="The controller keeps kappa within [low, high]."
     )
     clip_cov_ratio: float = Field(
         2e-4, ge=0, le=1, description="Clip-Cov: fraction of tokens whose gradient is cut."
@@ -321,6 +345,27 @@ class AlgorithmConfig(Section):
         1.0, ge=0, description="Overlong penalty: its size at rollout.max_tokens."
     )
 
+    @model_validator(mode="after")
+    def _kappa_controlled(self) -> AlgorithmConfig:
+        low, high = self.kappa_entropy_band
+        if not 0 < low < 1 < high:
+            raise ValueError(
+                f"algorithm.kappa_entropy_band must be (low, high) with 0 < low < 1 < high, got "
+                f"{self.kappa_entropy_band}"
+            )
+        low, high = self.kappa_range
+        if not 0 < low <= self.cagrpo_kappa <= high:
+            raise ValueError(
+                f"algorithm.kappa_range {self.kappa_range} must contain cagrpo_kappa "
+                f"{self.cagrpo_kappa} (and be positive)"
+            )
+        if self.kappa_control != "off" and self.policy_loss != "cagrpo":
+            raise ValueError(
+                f"algorithm.kappa_control {self.kappa_control!r} steers CA-GRPO's kernel; "
+                f"policy_loss is {self.policy_loss!r} (use cagrpo, or kappa_control: off)"
+            )
+        return self
+
     def loss_spec(self) -> LossSpec:
         """The loss and all its options as one typed value, for the learner."""
         options = {name: getattr(self, name) for name in LossSpec.option_names()}
@@ -372,12 +417,50 @@ class SyncConfig(Section):
 class EvalConfig(Section):
     samples: int = Field(4, ge=1, description="Samples per held-out prompt (k of pass@k).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature for evaluation.")
+    temperatures: list[float] = Field(
+        default_factory=list,
+        description="More temperatures the held-out prompts are evaluated at, each time (0: "
+        "greedy, one sample a prompt); their metrics are eval/T<t>/<name>.",
+    )
+    hard_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="reasoning_gym options of a second held-out split, harder than training "
+        "(e.g. {min_terms: 5, max_terms: 6}); evaluated alongside, as eval/hard/<name>. "
+        "Empty: none.",
+    )
+    hard_size: int = Field(64, ge=1, description="Prompts of the harder held-out split.")
+
+    @model_validator(mode="after")
+    def _temperatures_valid(self) -> EvalConfig:
+        bad = [t for t in self.temperatures if not t >= 0]
+        if bad:
+            raise ValueError(f"eval.temperatures must be >= 0 (0: greedy), got {bad}")
+        return self
 
 
 class MetricsConfig(Section):
     enabled: bool = Field(True, description="Serve live metrics for Prometheus from the driver.")
     port: int = Field(9400, ge=0, le=65535, description="Exporter port (0: pick a free one).")
     host: str = Field("0.0.0.0", description="Interface the exporter binds.")
+    inspect_every: int = Field(
+        1,
+        ge=0,
+        description="Keep the tokens of some prompt groups every this many learner steps for "
+        "the token inspector (python -m cagrpo_ray.inspect RUN_DIR; 0: never).",
+    )
+    inspect_groups: int = Field(2, ge=1, description="Whole prompt groups kept per inspected step.")
+    inspect_host: str = Field(
+        "127.0.0.1",
+        description="Interface the live token inspector binds (prompts and responses can be "
+        "sensitive: loopback unless you say otherwise).",
+    )
+    inspect_port: int | None = Field(
+        9401,
+        ge=0,
+        le=65535,
+        description="Port of the live token inspector the driver serves (0: a free one; "
+        "null: no live page, the files only).",
+    )
 
 
 class ClusterConfig(Section):

@@ -52,8 +52,16 @@ class LearnerActor:
         master_addr and master_port (exported as RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
         self.learner = Learner(settings, loss, **rank)
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        return self.learner.train_step(batch)
+    def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
+    ) -> dict[str, float]:
+        return self.learner.train_step(batch, inspect_groups, loss_options)
+
+    def take_inspection(self) -> dict:
+        return self.learner.take_inspection()
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         return self.learner.state_dict_for_sync()
@@ -187,10 +195,29 @@ class LearnerGroup:
             ray.kill(actor, no_restart=True)
         self.actors = []
 
-    def submit_train_step(self, batch: dict[str, torch.Tensor]) -> list:
-        """`train_step` without waiting: the ranks' object refs, for `collect(refs)`."""
+    def submit_train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
+    ) -> list:
+        """`train_step` without waiting: the ranks' object refs, for `collect(refs)`.
+        `inspect_groups`: groups whose per-token values the step keeps (`inspection`);
+        `loss_options`: loss options set from this step on (e.g. a controller's kappa)."""
         shards = split_by_groups(check_batch(batch), self.num_learners)
-        return self._submit("train_step", args_per_rank=[(ray.put(s),) for s in shards])
+        args = [(ray.put(s), inspect_groups, loss_options) for s in shards]
+        return self._submit("train_step", args_per_rank=args)
+
+    def inspection(self) -> dict:
+        """The last step's kept per-token values of every rank, rows concatenated in rank
+        order (each [rows, T] array aligned with the batch's columns)."""
+        parts = [p for p in self._call_all("take_inspection") if p]
+        if not parts:
+            return {}
+        return {
+            key: None if parts[0][key] is None else np.concatenate([p[key] for p in parts])
+            for key in parts[0]
+        }
 
     def open_weight_sender(
         self, world_size: int, backend: str, timeout_s: float, bucket_mb: float

@@ -21,9 +21,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cagrpo_ray.algo import policy_loss, prepare_loss_inputs, truncated_is_weights
+from cagrpo_ray.algo.registry import as_spec
 from cagrpo_ray.learner.batch import check_batch, group_sizes
 from cagrpo_ray.learner.distributed import RankReducer, all_reduce_, data_parallel_group
 
@@ -31,7 +33,12 @@ from cagrpo_ray.learner.distributed import RankReducer, all_reduce_, data_parall
 class PPOSteps:
     """`Learner.train_step` and the updates it runs (see the module docstring)."""
 
-    def train_step(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
+    ) -> dict[str, float]:
         """One learner step on this rank's shard of a rollout batch: `ppo_epochs` passes over
         its mini-batches, one optimizer step per mini-batch (by default one pass over the
         whole batch: one optimizer step).
@@ -47,8 +54,14 @@ class PPOSteps:
         log-probs (`token_stats="rollout"`), or recomputed for each mini-batch from the
         current policy (`"minibatch"`, as verl does with its current log-probs); the loss
         normalisers are always the mini-batch's, over all ranks.
+
+        `inspect_groups`: prompt groups whose per-token values this step keeps for the token
+        inspector (`take_inspection`); the rank keeps those it holds. `loss_options`: loss
+        options (`LossSpec` fields) set from this step on, e.g. a controller's `cagrpo_kappa`.
         """
         start = time.perf_counter()
+        if loss_options:
+            self.loss = as_spec(self.loss, loss_options)
         batch = self._to_device(check_batch(batch))
         mask = batch["response_mask"]
         reducer = RankReducer(self.device)
@@ -110,7 +123,8 @@ class PPOSteps:
 
         # (4) Updates: epochs x mini-batches, each one optimizer step over its micro-batches.
         lr = float(self.engine.optimizer.param_groups[0]["lr"])
-        inputs = _UpdateInputs(batch, old_logprobs, advantages, ref_logprobs, is_weights)
+        clipped = torch.zeros_like(mask) if inspect_groups else None
+        inputs = _UpdateInputs(batch, old_logprobs, advantages, ref_logprobs, is_weights, clipped)
         updates = []
         minis = self._mini_batches(batch["group_ids"])
         for epoch in range(self.settings.ppo_epochs):
@@ -122,6 +136,10 @@ class PPOSteps:
 
         metrics = reducer.reduce()
         metrics.update(_combine_updates(updates))
+        if inspect_groups:
+            self.inspection = _token_records(
+                inputs, inspect_groups, entropy, rollout_stats, self.loss.name
+            )
         if self.settings.measure_policy_change:
             metrics.update(self._policy_change(batch, old_logprobs))
         metrics.update(
@@ -168,6 +186,8 @@ class PPOSteps:
                 prepared=prepared.rows(within),
             )
             loss = out.loss * 0.0 if padding else out.loss
+            if inputs.clipped is not None and not padding:  # for the token inspector
+                inputs.clipped[at] = self._clipped(logprobs, inputs, at)
             if not padding:
                 for name, value in out.metrics.items():
                     if name not in prepared.metrics and name != "entropy/mean":
@@ -202,6 +222,20 @@ class PPOSteps:
             reducer.max(name, value)
         else:
             reducer.mean(name, value, tokens)
+
+    def _clipped(self, logprobs, inputs: _UpdateInputs, at) -> torch.Tensor:
+        """[r, T] bool: tokens whose PPO ratio is clipped in this update (no gradient)."""
+        ratio = torch.exp(logprobs.detach() - inputs.old_logprobs[at])
+        advantage = inputs.advantages[at][:, None]
+        high = (ratio > 1.0 + self.loss.clip_eps_high) & (advantage > 0)
+        low = (ratio < 1.0 - self.loss.clip_eps_low) & (advantage < 0)
+        return (high | low) & inputs.batch["response_mask"][at]
+
+    def take_inspection(self) -> dict[str, np.ndarray]:
+        """The per-token values the last step kept for the token inspector (and forget them):
+        this rank's rows of the inspected groups, [r, T] arrays aligned with the batch."""
+        records, self.inspection = getattr(self, "inspection", {}), {}
+        return records
 
     def _mini_batches(self, group_ids: torch.Tensor) -> list[torch.Tensor]:
         """This rank's row indices of each mini-batch: `settings.mini_batches` equal slices of
@@ -268,6 +302,7 @@ class _UpdateInputs:
     advantages: torch.Tensor  # [B]
     ref_logprobs: torch.Tensor | None  # [B, T]
     is_weights: torch.Tensor | None  # [B, T]
+    clipped: torch.Tensor | None  # [B, T] bool, kept for the inspector: ratio clipped
 
 
 # The updates' detail worth keeping beside their means: where the last update ended up.
@@ -295,3 +330,30 @@ def _combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
         if key in updates[-1]:
             out[f"{key}_last"] = updates[-1][key]
     return out
+
+
+def _token_records(inputs: _UpdateInputs, groups, entropy, stats, loss: str) -> dict:
+    """The inspected groups' rows of this rank: per-token learner log-probs, entropy,
+    covariance, kernel weight (1 for other losses), Clip-Cov / KL-Cov selections, IS weight
+    and whether the ratio was clipped, as numpy arrays."""
+    batch = inputs.batch
+    rows = torch.isin(batch["group_ids"], torch.as_tensor(groups, device=batch["group_ids"].device))
+    if not bool(rows.any()):
+        return {}
+    mask = batch["response_mask"][rows]
+
+    def pick(values):
+        return None if values is None else values[rows].detach().float().cpu().numpy()
+
+    weights = stats.token_weights
+    return {
+        "group_ids": batch["group_ids"][rows].cpu().numpy(),
+        "logprob": pick(inputs.old_logprobs),
+        "entropy": pick(entropy),
+        "cov": pick(stats.covariance),
+        "weight": pick(weights) if loss == "cagrpo" else None,
+        "clip_cov": (pick(weights) == 0) & mask.cpu().numpy() if loss == "clip_cov" else None,
+        "kl_cov": pick(stats.kl_penalty) > 0 if stats.kl_penalty is not None else None,
+        "is_weight": pick(inputs.is_weights),
+        "clipped": inputs.clipped[rows].cpu().numpy(),
+    }

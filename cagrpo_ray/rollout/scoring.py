@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from cagrpo_ray.algo.advantages import group_advantages
@@ -61,3 +62,20 @@ def score_groups(
     keep = signal.tolist() if algorithm.dynamic_sampling else [True] * len(signal)
     correct = [bool(r.correct) for r in results]
     return ScoredGroups(rewards, correct, advantages, keep, penalized)
+
+
+def rollout_metrics(table: pa.Table, group_size: int) -> dict:
+    """Reward, accuracy and length statistics of a batch taken from the buffer."""
+    rewards = table.column("reward").to_numpy()
+    lengths = table.column("response_len").to_numpy()
+    by_group = rewards.reshape(-1, group_size)
+    return {
+        "reward/mean": float(rewards.mean()),
+        "accuracy/train": float(np.mean(table.column("correct").to_numpy(zero_copy_only=False))),
+        "reward/equal_reward_groups": float(np.mean(np.ptp(by_group, axis=1) == 0)),
+        "response/length_mean": float(lengths.mean()),
+        "response/length_max": float(lengths.max()),
+        "response/truncated_fraction": float(
+            np.mean(np.asarray(table.column("finish_reason").to_pylist()) == "length")
+        ),
+    }
