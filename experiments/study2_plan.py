@@ -7,7 +7,7 @@ the GRPO search runs only, never a held-out result of a method it would favour.
 Groups, in the order of `ORDER` (the most informative first, so that a cut budget still leaves
 a complete comparison):
 
-- sweep:  GRPO and CA-GRPO at four learning rates, round 1's regime (60 steps, 16 prompts x 8,
+- sweep:  GRPO and CA-GRPO at three learning rates, round 1's regime (60 steps, 16 prompts x 8,
           one update per batch), seed 1. `best_lr` picks each method's lr by its training
           accuracy over the last 10 steps; `best` then runs seeds 2 and 3 there.
 - search: GRPO in three candidate late-phase regimes (several updates per batch, smaller
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 CONFIG = "configs/cpu-tiny.yaml"
 SEEDS = (1, 2, 3)
-LRS = ("5e-5", "1e-4", "2e-4", "4e-4")
+LRS = ("1e-4", "2e-4", "4e-4")  # round 1 ran 2e-4; one step below and one above
 LATE_METHODS = ("grpo", "clip_cov", "kl_cov", "cagrpo")
 
 # Every run: no live exporter or inspector (several runs must not fight over ports), no

@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 from study2_plan import (  # noqa: E402
     CANDIDATES,
+    LRS,
     best_lr,
     collapse_verdict,
     late_regime,
@@ -28,7 +29,7 @@ def test_best_lr_reads_the_last_ten_steps_of_training_accuracy_only():
         records[run.name] = early + [{"accuracy/train": late, "eval/pass@1": 0.0}] * 10
     assert best_lr(records) == {"grpo": "1e-4", "cagrpo": "4e-4"}
     flat = {name: [{"accuracy/train": 0.5}] * 10 for name in records}
-    assert best_lr(flat) == {"grpo": "5e-5", "cagrpo": "5e-5"}  # ties: the smaller lr
+    assert best_lr(flat) == {"grpo": "1e-4", "cagrpo": "1e-4"}  # ties: the smaller lr
 
 
 def run_records(entropies):
@@ -60,7 +61,7 @@ def test_late_regime_prefers_the_first_with_a_late_phase_else_the_steepest_fall(
 
 
 def test_stages_wait_for_the_choices_they_depend_on():
-    assert [len(s) for s in stages(None, None)] == [8, len(CANDIDATES)]
+    assert [len(s) for s in stages(None, None)] == [2 * len(LRS), len(CANDIDATES)]
     names = [r.name for s in stages({"grpo": "1e-4", "cagrpo": "4e-4"}, "B") for r in s]
     assert len(names) == len(set(names))
     assert "lateB-grpo-s1" not in names  # the search run search-grpo-B-s1 is that run
@@ -112,5 +113,8 @@ def test_page_is_computed_from_the_runs_and_the_rules(tmp_path):
     assert "| GRPO | 2e-4 (chosen) | 0.600 |" in page
     assert "| CA-GRPO | 4e-4 (chosen) | 0.600 |" in page
     assert "Chosen: regime B" in page
-    assert "Finished runs: 11 of " in page and "not run (the budget ended first): " in page
+    assert (
+        f"Finished runs: {2 * len(LRS) + len(CANDIDATES)} of " in page
+        and "not run (the budget ended first): " in page
+    )
     assert (tmp_path / "page" / "evidence2" / "lr_sweep.png").exists()
