@@ -16,20 +16,21 @@ small; one ZeRO-2 run checks that the bucket is modelled, and bfloat16 runs at s
 check the model states in the GPU recipes' precision (the CPU's bfloat16 kernels keep the
 activations the bfloat16 formula predicts).
 
-Measured on 2026-11-30 (MiB; torch 2.13 CPU, DeepSpeed 0.19.8, 8 rows per micro-batch):
+Measured on 2026-11-30 (MiB; torch 2.13 CPU, DeepSpeed 0.19.8, 8 rows per micro-batch, every
+response to the last column: the worst case the planner plans for):
 
     model        checkpointing  width  measured  estimated  kept for backward (estimated)
-    2M  (h192)   no             61        53.3      61.0     29.6 (30.3)
-    2M  (h192)   yes            61        39.1      42.8      2.5 (2.4)
-    10M (h320)   no             111      297.2     336.1    175.2 (179.5)
-    10M (h320)   yes            111      189.3     196.2     10.4 (10.3)
-    50M (h640)   no             111     1083.4    1284.4    461.3 (475.6)
-    50M (h640)   yes            111     1003.8    1003.7     24.5 (24.4)
-    2M, ZeRO-2   no             61      1967.1    1982.3     29.6 (30.3)
+    2M  (h192)   no             64        53.1      62.6     30.6 (31.8)
+    2M  (h192)   yes            64        36.2      43.5      2.5 (2.5)
+    10M (h320)   no             128      317.4     364.3    199.2 (207.0)
+    10M (h320)   yes            128      192.7     203.0     11.7 (11.9)
+    50M (h640)   no             128     1209.6    1357.9    528.2 (548.4)
+    50M (h640)   yes            128     1008.4    1003.7     28.0 (28.1)
+    2M, ZeRO-2   no             64      1967.1    1983.9     30.6 (31.8)
     bfloat16 with checkpointing, 10M:
-    ZeRO-1       yes            111      265.0     265.0      5.8 (5.7)
-    ZeRO-2       yes            111     1144.6    1170.2      5.8 (5.7)
-    ZeRO-3       yes            111     1237.6    1237.8      5.8 (5.7)
+    ZeRO-1       yes            128      267.7     265.0      6.6 (6.6)
+    ZeRO-2       yes            128     1150.2    1174.3      6.6 (6.6)
+    ZeRO-3       yes            128     1240.3    1237.8      6.6 (6.6)
 
 The estimate is high without checkpointing because it counts every gradient from the start of
 backward, where the peak is; the gradients appear layer by layer as the activations go.
@@ -114,6 +115,21 @@ def profiled_step(learner: Learner, batch: dict) -> tuple[int, int]:
     return peak, at_backward
 
 
+def full_width_batch(width: int, seed: int) -> dict:
+    """A batch whose every response runs to the last column: the planner's worst case. (The
+    learner trains a batch that fits one micro-batch in length-sorted parts, each cut to its
+    own longest row, so random lengths would hold fewer than rows x width tokens.)"""
+    batch = random_batch(GROUPS, GROUP_SIZE, width=width, seed=seed)
+    rows = GROUPS * GROUP_SIZE
+    first_response = batch["response_mask"].int().argmax(1)
+    g = torch.Generator().manual_seed(seed)
+    batch["attention_mask"] = torch.ones_like(batch["attention_mask"])
+    batch["response_mask"] = torch.arange(width) >= first_response[:, None]
+    batch["input_ids"] = torch.randint(3, 17, (rows, width), generator=g)
+    batch["behavior_logprobs"] = -torch.rand(rows, width, generator=g) * batch["response_mask"]
+    return batch
+
+
 def measure_learner(policy: str, stage: int, checkpointing: bool, dtype: str, width: int):
     """Build a one-rank Learner, train a warm-up step, then measure a second step: the bytes
     the learner holds before it plus the step's peak above that, and what the forward pass
@@ -129,8 +145,8 @@ def measure_learner(policy: str, stage: int, checkpointing: bool, dtype: str, wi
         dtype=dtype,
     )
     learner = Learner(settings, LossSpec("cagrpo"), master_port=free_port())
-    learner.train_step(random_batch(GROUPS, GROUP_SIZE, width=width, seed=0))
-    batch = random_batch(GROUPS, GROUP_SIZE, width=width, seed=1)
+    learner.train_step(full_width_batch(width, seed=0))
+    batch = full_width_batch(width, seed=1)
     resident = live_tensor_bytes() - before
     peak, at_backward = profiled_step(learner, batch)
     used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
