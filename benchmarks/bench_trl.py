@@ -283,7 +283,7 @@ def loss_agreement(model_path: str, workdir: Path) -> list[tuple[str, str, float
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from cagrpo_ray.algo import policy_loss
+    from cagrpo_ray.algo import LossSpec, policy_loss, prepare_loss_inputs
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     g = torch.Generator().manual_seed(0)
@@ -338,10 +338,19 @@ def loss_agreement(model_path: str, workdir: Path) -> list[tuple[str, str, float
 
         model.zero_grad()
         new, _, _ = trainer._get_per_token_logps_and_entropies(model, input_ids, attention, T)
-        ours = policy_loss(
-            "grpo", new, old, advantages, completion_mask,
-            clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH, loss_agg=agg, max_response_length=T,
+        spec = LossSpec(
+            "grpo", loss_agg=agg, clip_eps_low=EPS_LOW, clip_eps_high=EPS_HIGH,
             clip_ratio_c=None,  # TRL has no dual-clip
+        )  # fmt: skip
+        prepared = prepare_loss_inputs(
+            spec,
+            old,
+            advantages,
+            completion_mask,
+            max_response_length=T,  # Dr.GRPO's L
+        )
+        ours = policy_loss(
+            spec, new, old, advantages, completion_mask, prepared=prepared
         ).loss  # fmt: skip
         ours.backward()
         grads_ours = [p.grad.clone() for p in model.parameters() if p.grad is not None]
