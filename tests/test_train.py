@@ -45,7 +45,7 @@ DETERMINISTIC = [
     "policy/loss",
     "learner/grad_norm",
     "cov/std",
-    "cagrpo/weight_min",
+    "cov/pos_1pct",  # the covariance tail (the kernel weights exist only under CA-GRPO)
     "data/cursor",
 ]
 CONFIGS = {0: "configs/cpu-tiny.yaml", 1: "configs/async.yaml"}
