@@ -33,7 +33,7 @@ from cagrpo_ray.policies.build import load_policy
 from cagrpo_ray.rewards.verifiers import verify_format, verify_reasoning_gym
 
 TASK_CONFIG = {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}  # cpu-tiny.yaml
-FORMAT_WEIGHT = 0.1  # reward = correct + 0.1 * format, as configured in cagrpo_ray/config/sections.py
+FORMAT_WEIGHT = 0.1  # reward = correct + 0.1 * format (config/sections.py)
 
 
 @torch.no_grad()
