@@ -34,7 +34,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -213,17 +212,22 @@ def unzip_wheels(wheels: Path, site: Path, requirements: list[str]) -> None:
 
 
 def machine_info(cpu: bool) -> dict:
+    """The benchmarks' machine description and commit (metrics/provenance.py), plus the
+    versions and GPUs this check depends on."""
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
     import transformers
+
+    from cagrpo_ray.metrics.provenance import git_commit, machine
 
     try:
         deepspeed = version("deepspeed")
     except PackageNotFoundError:
         deepspeed = "not installed (see --wheels)"
     info = {
-        "python": platform.python_version(),
+        **machine(),
+        "commit": git_commit(),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "transformers": transformers.__version__,
@@ -871,7 +875,8 @@ def write_report(report: dict, out: Path) -> None:
         "",
         f"torch {m.get('torch')} (CUDA {m.get('torch_cuda')}), transformers "
         f"{m.get('transformers')}, deepspeed {m.get('deepspeed')}, Python {m.get('python')}; "
-        f"GPUs: {gpus}; driver {m.get('driver', 'n/a')}; {report.get('elapsed_s')} s",
+        f"GPUs: {gpus}; driver {m.get('driver', 'n/a')}; commit {m.get('commit')}; "
+        f"{report.get('elapsed_s')} s",
         "",
         "| check | result | numbers |",
         "|---|---|---|",
