@@ -58,18 +58,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=REPO / "docs/results/evidence.md")
     parser.add_argument("--aggregate-only", action="store_true", help="Only rebuild the page.")
     parser.add_argument("--dry-run", action="store_true", help="Print the commands, run nothing.")
+    parser.add_argument(
+        "--only",
+        metavar="GROUP",
+        help="Run only the planned runs of this group (sweep, search, late, mechanism, kappa, "
+        "best), e.g. the seed replicates at the best lrs before the long search runs.",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
         for run in planned(args.out):
-            print(shlex.join(command(run, args.out)))
+            if args.only in (None, run.group):
+                print(shlex.join(command(run, args.out)))
         return 0
     if not args.aggregate_only:
         commit, src = pinned_source(args.out)
         attempted: set[str] = set()
         while not (args.out / "STOP").exists():
             (args.out / "choices.json").write_text(json.dumps(choices(args.out), indent=2))
-            pending = [r for r in planned(args.out) if r.name not in attempted]
+            pending = [
+                r
+                for r in planned(args.out)
+                if r.name not in attempted and args.only in (None, r.group)
+            ]
             if not pending:
                 break
             attempted.add(pending[0].name)
