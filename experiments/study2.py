@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 from pathlib import Path
 
 from study import command, execute, pinned_source
@@ -90,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "choices.json").write_text(json.dumps(choices(args.out), indent=2))
     from study2_page import write_page
 
-    invocation = shlex.join([".venv/bin/python", *sys.argv])
+    # The command that reruns the whole plan, whichever part of it this call ran.
+    out = args.out.resolve()
+    out = out.relative_to(REPO) if out.is_relative_to(REPO) else out
+    invocation = shlex.join([".venv/bin/python", "experiments/study2.py", "--out", str(out)])
     write_page(planned(args.out), args.out, args.page, invocation=invocation)
     return 0
 
