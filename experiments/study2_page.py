@@ -537,7 +537,7 @@ def render_page(runs, out: Path, page: Path, invocation: str) -> str:
         f"{describe_machine(m)}, {m.get('os', '?')}. Runs between "
         f"{times[0] if times else '?'} and {times[-1] if times else '?'} (UTC). "
         f"Finished runs: {len(loaded)} of {len(runs)} planned"
-        + (f"; not run (the budget ended first): {', '.join(missing)}" if missing else "")
+        + (f"; not run (why: the status below): {', '.join(missing)}" if missing else "")
         + (f"; failed: {', '.join(failed)}" if failed else "")
         + ".",
         "",

@@ -115,6 +115,6 @@ def test_page_is_computed_from_the_runs_and_the_rules(tmp_path):
     assert "Chosen: regime B" in page
     assert (
         f"Finished runs: {2 * len(LRS) + len(CANDIDATES)} of " in page
-        and "not run (the budget ended first): " in page
+        and "not run (why: the status below): " in page
     )
     assert (tmp_path / "page" / "evidence2" / "lr_sweep.png").exists()
