@@ -44,9 +44,11 @@ def choices(out: Path) -> dict:
     return made
 
 
-def planned(out: Path) -> list:
+def planned(out: Path, group: str | None = None) -> list:
+    """The runs the rules plan so far, in order; with `group`, only that group's."""
     made = choices(out)
-    return [run for stage in stages(made.get("best_lr"), made.get("late")) for run in stage]
+    runs = [run for stage in stages(made.get("best_lr"), made.get("late")) for run in stage]
+    return [run for run in runs if group in (None, run.group)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,20 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        for run in planned(args.out):
-            if args.only in (None, run.group):
-                print(shlex.join(command(run, args.out)))
+        for run in planned(args.out, args.only):
+            print(shlex.join(command(run, args.out)))
         return 0
     if not args.aggregate_only:
         commit, src = pinned_source(args.out)
         attempted: set[str] = set()
         while not (args.out / "STOP").exists():
             (args.out / "choices.json").write_text(json.dumps(choices(args.out), indent=2))
-            pending = [
-                r
-                for r in planned(args.out)
-                if r.name not in attempted and args.only in (None, r.group)
-            ]
+            pending = [r for r in planned(args.out, args.only) if r.name not in attempted]
             if not pending:
                 break
             attempted.add(pending[0].name)

