@@ -10,9 +10,10 @@ a complete comparison):
 - sweep:  GRPO and CA-GRPO at three learning rates, round 1's regime (60 steps, 16 prompts x 8,
           one update per batch), seed 1. `best_lr` picks each method's lr by its training
           accuracy over the last 10 steps; `best` then runs seeds 2 and 3 there.
-- search: GRPO in three candidate late-phase regimes (several updates per batch, smaller
+- search: GRPO in five candidate late-phase regimes (several updates per batch, smaller
           batches, longer horizon), seed 1. `late_regime` picks the first whose entropy
-          collapses and whose held-out accuracy (T=0.7) falls late, by `collapse_verdict`.
+          collapses and whose held-out accuracy (T=0.7) falls late, by `collapse_verdict`
+          (D and E were added after A-C broke; see CANDIDATES).
 - late:   GRPO, Clip-Cov, KL-Cov and CA-GRPO in that regime, seeds 1-3 (GRPO seed 1 is the
           search run itself). Clip-Cov and KL-Cov with their authors' settings: statistics
           from the current policy at every mini-batch, KL-Cov's ratio 2e-3.
@@ -64,14 +65,25 @@ LATE_BASE = {
     "rollout.prompts_per_step": "8",
     "algorithm.mini_batch_size": "16",
 }
+# A-C were fixed before any search run. All three broke (held-out accuracy far below its start
+# within 30 steps), so D and E were added after them, below the lr where GRPO stays stable and
+# over a longer horizon; that choice read GRPO runs only (A-C, and two exploratory GRPO runs of
+# A's batch shape at 1e-4, which also broke, and 5e-5, which learned steadily for 150 steps).
+LONG = {"run.steps": "300", "run.eval_every": "50"}
 CANDIDATES = {
     "A": {**LATE_BASE, "algorithm.lr": "2e-4"},
     "B": {**LATE_BASE, "algorithm.lr": "4e-4"},
     "C": {**LATE_BASE, "algorithm.lr": "4e-4", "algorithm.ppo_epochs": "2"},
+    "D": {**LATE_BASE, **LONG, "algorithm.lr": "5e-5"},
+    "E": {**LATE_BASE, **LONG, "algorithm.lr": "5e-5", "algorithm.ppo_epochs": "2"},
 }
+ADDED_AFTER_SEARCH = ("D", "E")  # the candidates added once A-C had run
 # What "collapse, then a late fall" means, decided before the search ran: the last 10 steps'
 # mean entropy at most half the first 10 steps', and the final held-out pass@1 at T=0.7 at
-# least LATE_FALL below the best earlier evaluation of the run (after step 0).
+# least LATE_FALL below the best earlier evaluation of the run (after step 0). A run "broke"
+# when its final held-out pass@1 at T=0.7 is more than LATE_FALL below its value before
+# training: it lost what the warm start knew, and a comparison there would measure how methods
+# fail, not the late phase (this test was added with D and E).
 COLLAPSE_RATIO = 0.5
 LATE_FALL = 0.03
 
@@ -221,26 +233,32 @@ def collapse_verdict(records: list[dict], heldout: dict[int, dict]) -> dict:
     evals = sorted((s, e.get("T0.7/pass@1", math.nan)) for s, e in heldout.items() if s > 0)
     final = evals[-1][1] if evals else math.nan
     peak = max((v for _, v in evals[:-1]), default=math.nan)
+    start = heldout.get(0, {}).get("T0.7/pass@1", math.nan)
     collapsed = ratio <= COLLAPSE_RATIO
     fell = final <= peak - LATE_FALL
     return {
         "entropy_ratio": ratio,
+        "start_T0.7": start,
         "peak_T0.7": peak,
         "final_T0.7": final,
         "collapsed": bool(collapsed),
         "fell": bool(fell),
+        "broke": bool(final < start - LATE_FALL),
         "late_phase": bool(collapsed and fell),
     }
 
 
-def late_regime(verdicts: dict[str, dict]) -> tuple[str, str]:
+def late_regime(verdicts: dict[str, dict]) -> tuple[str | None, str]:
     """The first candidate (in CANDIDATES' order) with a late phase; if none has one, the
-    one whose entropy fell most (the runs then test the regime closest to it). Returns (key,
-    why)."""
+    one whose entropy fell most among those that did not break (the runs then test the regime
+    closest to it); None if every candidate broke. Returns (key, why)."""
     for key in CANDIDATES:
         if verdicts.get(key, {}).get("late_phase"):
             return key, "its entropy collapsed and its held-out accuracy fell late"
-    ratios = {k: v["entropy_ratio"] for k, v in verdicts.items()}
+    ratios = {k: v["entropy_ratio"] for k, v in verdicts.items() if not v.get("broke")}
     ratios = {k: r for k, r in ratios.items() if math.isfinite(r)}
+    if not ratios:
+        return None, "no candidate showed a late phase and every one broke"
     key = min(ratios, key=ratios.get)
-    return key, "no candidate showed a late phase; this one's entropy fell most"
+    why = "no candidate showed a late phase; of those that did not break, this one's entropy"
+    return key, why + " fell most"

@@ -58,6 +58,20 @@ def test_late_regime_prefers_the_first_with_a_late_phase_else_the_steepest_fall(
         v["late_phase"] = False
     key, why = late_regime(verdicts)
     assert key == "C" and "no candidate" in why
+    verdicts["C"]["broke"] = True  # the steepest fall, but its accuracy is gone: not a regime
+    assert late_regime(verdicts)[0] == "B"
+    for v in verdicts.values():
+        v["broke"] = True
+    assert late_regime(verdicts) == (None, "no candidate showed a late phase and every one broke")
+
+
+def test_a_run_broke_when_its_final_accuracy_is_below_its_start():
+    records = run_records([0.1] * 30)
+    held = {0: {"T0.7/pass@1": 0.40}, 10: {"T0.7/pass@1": 0.42}, 30: {"T0.7/pass@1": 0.36}}
+    v = collapse_verdict(records, held)
+    assert v["start_T0.7"] == 0.40 and v["broke"] and v["fell"] and not v["late_phase"]
+    held[30] = {"T0.7/pass@1": 0.38}  # 0.02 below the start: within LATE_FALL
+    assert not collapse_verdict(records, held)["broke"]
 
 
 def test_stages_wait_for_the_choices_they_depend_on():
