@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 CONFIG = "configs/cpu-tiny.yaml"
 SEEDS = (1, 2, 3)
 LRS = ("1e-4", "2e-4", "4e-4")  # round 1 ran 2e-4; one step below and one above
-LATE_METHODS = ("grpo", "clip_cov", "kl_cov", "cagrpo")
+# The paper's comparison (CA-GRPO against GRPO) first, so that a cut budget still leaves it.
+LATE_METHODS = ("grpo", "cagrpo", "clip_cov", "kl_cov")
 
 # Every run: no live exporter or inspector (several runs must not fight over ports), no
 # periodic checkpoints, the per-step policy change, and the evaluation set-up.
