@@ -51,6 +51,14 @@ def planned(out: Path, group: str | None = None) -> list:
     return [run for run in runs if group in (None, run.group)]
 
 
+def selected(args) -> list:
+    """The planned runs `--only` and `--run` select, in plan order or in `--run`'s order."""
+    runs = planned(args.out, args.only)
+    if not args.run:
+        return runs
+    return sorted((r for r in runs if r.name in args.run), key=lambda r: args.run.index(r.name))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -65,10 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         help="Run only the planned runs of this group (sweep, search, late, mechanism, kappa, "
         "best), e.g. the seed replicates at the best lrs before the long search runs.",
     )
+    parser.add_argument(
+        "--run",
+        action="append",
+        metavar="NAME",
+        help="Run only these planned runs, in the order given (repeatable); a name the plan "
+        "does not hold is an error. For running part of a stage first when time is short.",
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.run:
+        unknown = sorted(set(args.run) - {r.name for r in planned(args.out, args.only)})
+        if unknown:
+            parser.error(f"--run: not in the plan (so far): {', '.join(unknown)}")
     if args.dry_run:
-        for run in planned(args.out, args.only):
+        for run in selected(args):
             print(shlex.join(command(run, args.out)))
         return 0
     if not args.aggregate_only:
@@ -76,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         attempted: set[str] = set()
         while not (args.out / "STOP").exists():
             (args.out / "choices.json").write_text(json.dumps(choices(args.out), indent=2))
-            pending = [r for r in planned(args.out, args.only) if r.name not in attempted]
+            pending = [r for r in selected(args) if r.name not in attempted]
             if not pending:
                 break
             attempted.add(pending[0].name)

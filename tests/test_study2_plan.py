@@ -132,3 +132,21 @@ def test_page_is_computed_from_the_runs_and_the_rules(tmp_path):
         and "not run (why: the status below): " in page
     )
     assert (tmp_path / "page" / "evidence2" / "lr_sweep.png").exists()
+
+
+def test_run_option_selects_planned_runs_in_the_order_given(tmp_path, capsys):
+    import study2
+
+    names = ["search-grpo-B-s1", "sweep-grpo-lr1e-4-s1"]
+    assert (
+        study2.main(["--out", str(tmp_path), "--dry-run", "--run", names[0], "--run", names[1]])
+        == 0
+    )
+    printed = capsys.readouterr().out.splitlines()
+    assert [next(a for a in line.split() if a.startswith("run.name=")) for line in printed] == [
+        f"run.name={n}" for n in names
+    ]
+    with pytest.raises(SystemExit) as exit_:  # the late stage is not planned before the search
+        study2.main(["--out", str(tmp_path), "--dry-run", "--run", "lateB-cagrpo-s1"])
+    assert exit_.value.code == 2
+    assert "not in the plan (so far): lateB-cagrpo-s1" in capsys.readouterr().err
