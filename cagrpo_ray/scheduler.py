@@ -140,6 +140,8 @@ class Scheduler:
         self.learn_refs: list = []
         self.tokens_generated = 0.0
         self.verifier_errors = 0
+        self.unparsed = 0  # scored responses in which the task verifier found no answer
+        self.scored_responses = 0
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
@@ -190,6 +192,7 @@ class Scheduler:
         t_start = time.perf_counter()
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
+        unparsed_before, responses_before = self.unparsed, self.scored_responses
         filtered_before, penalized_before = self.filtered_groups, self.overlong_penalized
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
@@ -253,6 +256,9 @@ class Scheduler:
         metrics.update(
             {
                 "reward/verifier_errors": self.verifier_errors - errors_before,
+                # of the responses scored since the last step (what generation produced)
+                "reward/unparsed_fraction": (self.unparsed - unparsed_before)
+                / max(1, self.scored_responses - responses_before),
                 "time/wait_batch": t_batch - t_start,
                 "time/train": t_trained - t_batch,
                 "time/sync": sync_metrics.get("sync/seconds", 0.0),
@@ -407,6 +413,8 @@ class Scheduler:
         results = self._wait([ref], "verifiers")[0]
         g = self.config.rollout.group_size
         self.verifier_errors += sum(r.error is not None for r in results)
+        self.unparsed += sum(not r.parsed for r in results)
+        self.scored_responses += len(results)
         lengths = [len(c.token_ids) for group in groups for c in group]
         scored = score_groups(
             results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens

@@ -139,7 +139,9 @@ class Trainer:
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
 
-        self.model_path = str(resolve_policy(cfg.model.path, cfg.model.download_dir))
+        self.model_path = str(
+            resolve_policy(cfg.model.path, cfg.model.download_dir, cfg.model.gguf_file)
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.train_source, self.eval_items = self._sources()
         self.hard_items = self._hard_items()

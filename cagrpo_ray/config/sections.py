@@ -91,7 +91,13 @@ class ModelConfig(Section):
     path: str = Field(
         "chain_sum",
         description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard; built on "
-        "first use and cached), a local HF model directory, or a hub name.",
+        "first use and cached), the built-in pretrained smollm2-135m-instruct (converted once "
+        "from its wheel's GGUF file), a local HF model directory, a local .gguf file, or a hub "
+        "name.",
+    )
+    gguf_file: str | None = Field(
+        None,
+        description="A GGUF file in the model.path folder, converted once to a cached HF folder.",
     )
     download_dir: str | None = Field(
         None,

@@ -185,6 +185,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Verifier calls that failed or timed out (scored 0).",
         _one("reward/verifier_errors"),
     ),
+    MetricSpec(
+        "cagrpo_unparsed_answer_ratio",
+        "gauge",
+        "Fraction of the responses scored since the last step in which the task verifier found "
+        "no final answer (scored as wrong).",
+        _one("reward/unparsed_fraction"),
+    ),
     # Policy statistics from the learner
     MetricSpec(
         "cagrpo_policy_entropy_nats",

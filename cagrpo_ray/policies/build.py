@@ -31,6 +31,7 @@ from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 from cagrpo_ray.data.solutions import worked_solution
 from cagrpo_ray.data.types import PromptItem
 from cagrpo_ray.policies.accuracy import accuracy
+from cagrpo_ray.policies.cache import cache_root
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, save_policy
 from cagrpo_ray.policies.sft import encode_examples, train_sft
 
@@ -110,12 +111,6 @@ def heldout_items(spec: PolicySpec) -> tuple[list[PromptItem], list[PromptItem]]
     )
     items = list(source)
     return items[: spec.validation_size], items[spec.validation_size :]
-
-
-def cache_root() -> Path:
-    """`$XDG_CACHE_HOME/cagrpo_ray/policies`, with `~/.cache` when XDG_CACHE_HOME is unset."""
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "cagrpo_ray" / "policies"
 
 
 def build_policy(
@@ -237,19 +232,33 @@ def ensure_policy(spec: PolicySpec, *, progress: bool = True, threads: int | Non
     return path
 
 
-def resolve_policy(name_or_dir: str | Path, download_dir: str | Path | None = None) -> str:
+def resolve_policy(
+    name_or_dir: str | Path,
+    download_dir: str | Path | None = None,
+    gguf_file: str | None = None,
+) -> str:
     """A path or hub name that `from_pretrained` and vLLM load.
 
-    An existing directory is returned as is; a preset name (see `PRESETS`) is built or taken
-    from the cache; anything else is taken as a Hugging Face hub name, e.g.
+    An existing directory is returned as is, or with `gguf_file` (a GGUF file in it), that
+    file converted once into a cached HF directory; a path to a `.gguf` file likewise; a
+    preset name (see `PRESETS`, and the pretrained `GGUF_PRESETS` of `policies/gguf.py`) is
+    built or taken from the cache; anything else is taken as a Hugging Face hub name, e.g.
     "Qwen/Qwen2.5-Math-1.5B". With `download_dir`, a hub model is fetched into it once, here,
     and its local folder is returned: the run's actors then load from that folder (a volume
     every node mounts) instead of each downloading the same weights into one shared cache.
     """
+    from cagrpo_ray.policies.gguf import GGUF_PRESETS, ensure_gguf_policy, ensure_packaged_policy
+
+    if gguf_file is not None:
+        return str(ensure_gguf_policy(Path(name_or_dir) / gguf_file))
     if Path(name_or_dir).is_dir():
         return str(name_or_dir)
+    if str(name_or_dir).endswith(".gguf") and Path(name_or_dir).is_file():
+        return str(ensure_gguf_policy(name_or_dir))
     if str(name_or_dir) in PRESETS:
         return str(ensure_policy(PRESETS[str(name_or_dir)]))
+    if str(name_or_dir) in GGUF_PRESETS:
+        return str(ensure_packaged_policy(str(name_or_dir)))
     check_hub_id(str(name_or_dir))
     if download_dir is not None:
         return fetch_hub_model(str(name_or_dir), download_dir)
@@ -285,7 +294,9 @@ def check_hub_id(name: str) -> None:
     looks_like_path = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
     valid = bool(re.fullmatch(r"[\w.-]+(/[\w.-]+)?", name)) and ".." not in name
     if looks_like_path or not valid:
-        presets = ", ".join(PRESETS)
+        from cagrpo_ray.policies.gguf import GGUF_PRESETS
+
+        presets = ", ".join([*PRESETS, *GGUF_PRESETS])
         raise PolicyPathError(
             f"model path {name!r} is not a folder here, nor a built-in preset ({presets}), nor "
             "a Hugging Face hub id such as 'Qwen/Qwen2.5-Math-1.5B'"

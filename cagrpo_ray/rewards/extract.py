@@ -98,3 +98,54 @@ def _find_all(text: str, needle: str) -> list[int]:
         positions.append(start)
         start = text.find(needle, start + len(needle))
     return positions
+
+
+# A number as a model writes it: an optional sign (ASCII or Unicode minus), digits with optional
+# thousands separators, an optional decimal part. Linear: no nested quantifiers.
+_NUMBER = re.compile(r"[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+_MARKER = re.compile(r"(?i)\b(?:final answer|answer)\b(?:\s+is)?\s*[:=]?")
+
+
+def normalize_number(text: str) -> str:
+    """`-1,000.50` -> `-1000.5`, `42.0` -> `42`, Unicode minus -> `-`: one spelling a number."""
+    text = text.replace("−", "-").replace(",", "")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def extract_answer_text(text: str) -> tuple[str | None, str | None]:
+    """(final answer, how it was found) in free text written by a pretrained model.
+
+    In order: the last `<answer>` tag ("tag"), the last `\\boxed{}` ("boxed"), the text after
+    the last "Answer:" / "answer is" / "final answer" on its line ("marker"), else the last
+    number in the response ("last_number", the flexible fallback of lm-eval's GSM8K). A tag,
+    box or marker whose content holds a number gives that number (the last one after any "=",
+    normalised: "Answer: 1,234 apples." gives "1234"); one without a number gives its text
+    without trailing punctuation. (None, None) when the response has none of these.
+    """
+    text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+    segment, how = extract_tagged(text, "answer"), "tag"
+    if segment is not None:
+        segment = extract_boxed(segment) or segment
+    else:
+        segment, how = extract_boxed(text), "boxed"
+    if segment is None:
+        markers = list(_MARKER.finditer(text))
+        if markers:
+            rest = text[markers[-1].end() :]
+            segment, how = rest.split("\n", 1)[0] if rest.strip("\n") else rest, "marker"
+            if not segment.strip() and rest.strip():  # "Answer:\n42"
+                segment = rest.strip().split("\n", 1)[0]
+    if segment is not None:
+        after_equals = segment.rsplit("=", 1)[-1]
+        numbers = _NUMBER.findall(after_equals) or _NUMBER.findall(segment)
+        if numbers:
+            return normalize_number(numbers[0] if after_equals.strip() else numbers[-1]), how
+        cleaned = segment.strip().rstrip(".!,;:").strip()
+        if cleaned:
+            return cleaned, how
+    numbers = _NUMBER.findall(text)
+    if numbers:
+        return normalize_number(numbers[-1]), "last_number"
+    return None, None

@@ -8,7 +8,12 @@ from typing import Any
 
 from cagrpo_ray.rewards.pool import VerifierPool
 from cagrpo_ray.rewards.sandbox import SandboxLimits
-from cagrpo_ray.rewards.verifiers import TASK_VERIFIERS, Verifier, builtin_verifiers
+from cagrpo_ray.rewards.verifiers import (
+    TASK_VERIFIERS,
+    Verifier,
+    answer_parser,
+    builtin_verifiers,
+)
 
 
 @dataclass(frozen=True)
@@ -24,6 +29,7 @@ class RewardResult:
     correct: bool
     components: dict[str, float]
     error: str | None = None
+    parsed: bool = True  # the first task verifier's extraction found an answer (or a code block)
 
 
 class RewardFunction:
@@ -69,6 +75,8 @@ class RewardFunction:
             raise ValueError(f"unknown verifiers {sorted(unknown)}; known: {sorted(verifiers)}")
         self.weights = {name: float(weight) for name, weight in weights.items()}
         self.task_names = sorted(set(task_verifiers) & set(self.weights))
+        parsers = [answer_parser(name) for name in self.task_names]
+        self._parser = next((p for p in parsers if p is not None), None)
         self.pool = VerifierPool(
             {name: verifiers[name] for name in self.weights}, num_workers, timeout_s
         )
@@ -104,6 +112,8 @@ class RewardFunction:
                     correct=correct,
                     components=components,
                     error="; ".join(errors) or None,
+                    parsed=self._parser is None
+                    or self._parser(responses[index], item_dicts[index]),
                 )
             )
         return results

@@ -6,7 +6,10 @@ pool's worker processes (`cagrpo_ray/rewards/pool.py`), which enforce the per-ca
 none of them carries a timeout of its own; math-verify's signal-based timeouts are off.
 
 Task verifiers (their verdict is the accuracy metric: score >= 1 is correct) are
-`reasoning_gym`, `math`, `code`, and `task`, which picks one of the three per item.
+`reasoning_gym` (the answer tag), `reasoning_gym_text` (the final answer of free text, as a
+pretrained instruct model writes it), `math`, `code`, and `task`, which picks one of
+reasoning_gym, code and math per item. `answer_parser(name)` is the extraction each one applies,
+so that the reward pool can count the responses in which it found no answer at all.
 """
 
 from __future__ import annotations
@@ -17,12 +20,17 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from cagrpo_ray.rewards.extract import extract_code, extract_final_answer, extract_tagged
+from cagrpo_ray.rewards.extract import (
+    extract_answer_text,
+    extract_code,
+    extract_final_answer,
+    extract_tagged,
+)
 from cagrpo_ray.rewards.sandbox import SandboxLimits, outputs_match, run_solution
 
 Verifier = Callable[[str, dict], float]
 
-TASK_VERIFIERS = frozenset({"reasoning_gym", "math", "code", "task"})
+TASK_VERIFIERS = frozenset({"reasoning_gym", "reasoning_gym_text", "math", "code", "task"})
 
 
 def verify_reasoning_gym(response: str, item: dict) -> float:
@@ -32,6 +40,21 @@ def verify_reasoning_gym(response: str, item: dict) -> float:
     config (e.g. `decimal_arithmetic`, `puzzle24`, `time_intervals`) take it from
     `item["metadata"]["dataset_config"]` when present, else use their default config.
     """
+    return _score_reasoning_gym(extract_tagged(response, "answer"), item)
+
+
+def verify_reasoning_gym_text(response: str, item: dict) -> float:
+    """The reasoning_gym dataset's `score_answer` on the final answer of free text.
+
+    For pretrained models that answer in sentences: the answer is found by
+    `extract_answer_text` (an answer tag, a box, "Answer: ...", else the last number), and a
+    number is normalised ("1,000." -> "1000", "42.0" -> "42") before the dataset scores it.
+    """
+    answer, _ = extract_answer_text(response)
+    return _score_reasoning_gym(answer, item)
+
+
+def _score_reasoning_gym(answer: str | None, item: dict) -> float:
     metadata = item.get("metadata") or {}
     name = metadata.get("source_dataset")
     if not name:
@@ -42,7 +65,7 @@ def verify_reasoning_gym(response: str, item: dict) -> float:
     config = json.dumps(metadata.get("dataset_config") or {}, sort_keys=True)
     score_answer = _reasoning_gym_scorer(name, config)
     entry = {"question": item.get("question", ""), "answer": item["answer"], "metadata": metadata}
-    return float(score_answer(extract_tagged(response, "answer"), entry))
+    return float(score_answer(answer, entry))
 
 
 @functools.lru_cache(maxsize=256)
@@ -177,10 +200,40 @@ def verify_task(response: str, item: dict, code_limits: SandboxLimits | None = N
     return verify_math(response, item)
 
 
+def answer_parser(name: str) -> Callable[[str, dict], bool] | None:
+    """For a task verifier: `(response, item) -> bool`, whether its extraction found an answer
+    (a code block for code items); None for a verifier that parses no answer (format)."""
+
+    def tagged(response: str, item: dict) -> bool:
+        return extract_tagged(response, "answer") is not None
+
+    def free_text(response: str, item: dict) -> bool:
+        return extract_answer_text(response)[0] is not None
+
+    def final(response: str, item: dict) -> bool:
+        return extract_final_answer(response) is not None
+
+    def code(response: str, item: dict) -> bool:
+        return extract_code(response) is not None
+
+    def task(response: str, item: dict) -> bool:
+        metadata = item.get("metadata") or {}
+        if metadata.get("source_dataset"):
+            return tagged(response, item)
+        if metadata.get("test_cases") or metadata.get("tests"):
+            return code(response, item)
+        return final(response, item)
+
+    parsers = {"reasoning_gym": tagged, "reasoning_gym_text": free_text, "math": final,
+               "code": code, "task": task}  # fmt: skip
+    return parsers.get(name)
+
+
 def builtin_verifiers(code_limits: SandboxLimits | None = None) -> dict[str, Verifier]:
     """Name -> verifier for every verifier this package defines, code ones under `code_limits`."""
     return {
         "reasoning_gym": verify_reasoning_gym,
+        "reasoning_gym_text": verify_reasoning_gym_text,
         "math": verify_math,
         "format": verify_format,
         "code": functools.partial(verify_code, limits=code_limits),

@@ -78,6 +78,10 @@ class Generator:
                 self._in_flight -= 1
                 self._gate.notify_all()
 
+    def parameter_digests(self) -> list[dict[str, str]]:
+        """sha256 of every parameter the engine keeps as a tensor, per worker (vLLM only)."""
+        return self.engine.parameter_digests()
+
     def init_weight_sync(self, address: dict, rank_offset: int) -> list[int]:
         """Join the learner's weight-sync group; returns the sync ranks of its workers."""
         return self.engine.init_weight_sync(address, rank_offset)
