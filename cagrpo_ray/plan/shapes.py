@@ -139,10 +139,18 @@ def _is_preset(name: str) -> bool:
     return name in PRESETS
 
 
-def model_shape(path: str, online: bool = False) -> ModelShape:
-    """The shape of `model.path`: a folder with a config.json, a built-in preset, or a hub id
-    listed in `models.json`. With `online`, another hub id's config.json is downloaded
-    (transformers' `AutoConfig`); without, it is an error that names the file to extend."""
+def model_shape(path: str, online: bool = False, gguf_file: str | None = None) -> ModelShape:
+    """The shape of `model.path`: a folder with a config.json, a built-in preset, a GGUF file
+    (the built-in pretrained one, a `.gguf` path or `gguf_file` in the folder: its cached
+    conversion, made first if need be), or a hub id listed in `models.json`. With `online`,
+    another hub id's config.json is downloaded (transformers' `AutoConfig`); without, it is an
+    error that names the file to extend."""
+    from cagrpo_ray.policies.gguf import GGUF_PRESETS
+
+    if gguf_file is not None or path in GGUF_PRESETS or path.endswith(".gguf"):
+        from cagrpo_ray.policies.build import resolve_policy
+
+        path = resolve_policy(path, gguf_file=gguf_file)
     folder = Path(path)
     if folder.is_dir():
         config_file = folder / "config.json"

@@ -31,7 +31,7 @@ from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 from cagrpo_ray.data.solutions import worked_solution
 from cagrpo_ray.data.types import PromptItem
 from cagrpo_ray.policies.accuracy import accuracy
-from cagrpo_ray.policies.cache import cache_root
+from cagrpo_ray.policies.cache import PolicyPathError, cache_root
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, save_policy
 from cagrpo_ray.policies.sft import encode_examples, train_sft
 
@@ -253,7 +253,7 @@ def resolve_policy(
         return str(ensure_gguf_policy(Path(name_or_dir) / gguf_file))
     if Path(name_or_dir).is_dir():
         return str(name_or_dir)
-    if str(name_or_dir).endswith(".gguf") and Path(name_or_dir).is_file():
+    if str(name_or_dir).endswith(".gguf"):  # a GGUF file, never a hub id
         return str(ensure_gguf_policy(name_or_dir))
     if str(name_or_dir) in PRESETS:
         return str(ensure_policy(PRESETS[str(name_or_dir)]))
@@ -279,10 +279,6 @@ def fetch_hub_model(repo_id: str, download_dir: str | Path) -> str:
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return str(snapshot_download(repo_id, local_dir=target, allow_patterns=HUB_FILES))
-
-
-class PolicyPathError(ValueError):
-    """model.path names neither a folder, nor a preset, nor a Hugging Face hub id."""
 
 
 def check_hub_id(name: str) -> None:

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cagrpo_ray.policies.cache import cache_root
+from cagrpo_ray.policies.cache import PolicyPathError, cache_root
 
 # Bump when a code change alters what a conversion writes.
 CONVERT_VERSION = 1
@@ -58,7 +58,7 @@ GGUF_PRESETS: dict[str, PackagedGGUF] = {
 }
 
 
-class GGUFPolicyError(ValueError):
+class GGUFPolicyError(PolicyPathError):
     """A GGUF policy cannot be had: its file or a package needed to read it is missing."""
 
 

@@ -104,6 +104,14 @@ def _find_all(text: str, needle: str) -> list[int]:
 # thousands separators, an optional decimal part. Linear: no nested quantifiers.
 _NUMBER = re.compile(r"[-−]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 _MARKER = re.compile(r"(?i)\b(?:final answer|answer)\b(?:\s+is)?\s*[:=]?")
+# After a bare "answer" (no "is", ":" or "="): the words up to an "is" on its line, bounded so
+# that a long line of bare markers stays linear. "The answer to 3 + 4 is 7" -> " 7".
+_LATER_IS = re.compile(r"(?i)[^\n:=]{0,100}?\bis\b\s*[:=]?")
+
+
+def is_number(text: str) -> bool:
+    """Whether `text` is one number as `_NUMBER` reads it ("-1,000.5", "42", "−3")."""
+    return _NUMBER.fullmatch(text.strip()) is not None
 
 
 def normalize_number(text: str) -> str:
@@ -118,7 +126,9 @@ def extract_answer_text(text: str) -> tuple[str | None, str | None]:
     """(final answer, how it was found) in free text written by a pretrained model.
 
     In order: the last `<answer>` tag ("tag"), the last `\\boxed{}` ("boxed"), the text after
-    the last "Answer:" / "answer is" / "final answer" on its line ("marker"), else the last
+    the last "Answer:" / "answer is" / "final answer" on its line ("marker"; after a bare
+    "answer", what follows a later "is" on the line, as in "The answer to 3 + 4 is 7.", and a
+    bare one with neither that nor a number after it is a mention, not an answer), else the last
     number in the response ("last_number", the flexible fallback of lm-eval's GSM8K). A tag,
     box or marker whose content holds a number gives that number (the last one after any "=",
     normalised: "Answer: 1,234 apples." gives "1234"); one without a number gives its text
@@ -137,6 +147,8 @@ def extract_answer_text(text: str) -> tuple[str | None, str | None]:
             segment, how = rest.split("\n", 1)[0] if rest.strip("\n") else rest, "marker"
             if not segment.strip() and rest.strip():  # "Answer:\n42"
                 segment = rest.strip().split("\n", 1)[0]
+            if markers[-1].group().rstrip().lower().endswith("answer"):
+                segment = _bare_marker_segment(segment)
     if segment is not None:
         after_equals = segment.rsplit("=", 1)[-1]
         numbers = _NUMBER.findall(after_equals) or _NUMBER.findall(segment)
@@ -149,3 +161,15 @@ def extract_answer_text(text: str) -> tuple[str | None, str | None]:
     if numbers:
         return normalize_number(numbers[-1]), "last_number"
     return None, None
+
+
+def _bare_marker_segment(segment: str) -> str | None:
+    """What a bare "answer" (not followed by "is", ":" or "=") introduces: the text after a
+    later "is" ("The answer to 3 + 4 is 7."); else the segment if it holds a number ("The final
+    answer 42"); else None, a mention that gives no answer ("This is the final answer to the
+    problem.")."""
+    later = _LATER_IS.match(segment)
+    after = segment[later.end() :] if later else None
+    if after is not None and (_NUMBER.search(after) or not _NUMBER.search(segment)):
+        return after
+    return segment if _NUMBER.search(segment) else None

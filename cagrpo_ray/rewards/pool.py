@@ -36,6 +36,7 @@ from cagrpo_ray.rewards.verifiers import Verifier
 READY = "ready"
 HEAVY_IMPORTS = {  # verifier name -> modules its first call would otherwise import
     "reasoning_gym": ("reasoning_gym",),
+    "reasoning_gym_text": ("reasoning_gym",),
     "math": ("math_verify", "sympy"),
     "task": ("reasoning_gym", "math_verify", "sympy"),
 }

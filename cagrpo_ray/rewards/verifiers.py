@@ -25,6 +25,8 @@ from cagrpo_ray.rewards.extract import (
     extract_code,
     extract_final_answer,
     extract_tagged,
+    is_number,
+    normalize_number,
 )
 from cagrpo_ray.rewards.sandbox import SandboxLimits, outputs_match, run_solution
 
@@ -48,9 +50,15 @@ def verify_reasoning_gym_text(response: str, item: dict) -> float:
 
     For pretrained models that answer in sentences: the answer is found by
     `extract_answer_text` (an answer tag, a box, "Answer: ...", else the last number), and a
-    number is normalised ("1,000." -> "1000", "42.0" -> "42") before the dataset scores it.
+    number is normalised ("1,000." -> "1000", "42.0" -> "42"). A number against a numeric
+    reference is right or wrong (1 or 0); anything else the dataset's `score_answer` scores.
     """
     answer, _ = extract_answer_text(response)
+    reference = str(item["answer"]).strip()
+    if answer is not None and is_number(answer) and is_number(reference):
+        # numbers compare as numbers: no partial credit for "10" against "1", as the
+        # datasets' default string scoring gives (0.5 when the reference is a substring)
+        return 1.0 if float(answer) == float(normalize_number(reference)) else 0.0
     return _score_reasoning_gym(answer, item)
 
 
@@ -227,6 +235,14 @@ def answer_parser(name: str) -> Callable[[str, dict], bool] | None:
     parsers = {"reasoning_gym": tagged, "reasoning_gym_text": free_text, "math": final,
                "code": code, "task": task}  # fmt: skip
     return parsers.get(name)
+
+
+def answer_extractor(weights) -> Callable[[str], str | None]:
+    """The final answer of a response as the task verifiers among `weights` read it: free text
+    with `reasoning_gym_text`, else the answer tag or a box (for the majority vote)."""
+    if "reasoning_gym_text" in weights:
+        return lambda response: extract_answer_text(response)[0]
+    return extract_final_answer
 
 
 def builtin_verifiers(code_limits: SandboxLimits | None = None) -> dict[str, Verifier]:
