@@ -3,15 +3,18 @@
 Joins the Ray cluster named by `RAY_ADDRESS` (as inside `ray job submit`) or starts a local
 one, then trains as the config says. Ctrl-C or SIGTERM finishes the current step, writes a
 checkpoint and exits cleanly; `--resume` continues from the latest checkpoint of the run.
+The console shows the project's lines and ends with the final table; what Ray, vLLM and
+DeepSpeed print is in `runs/<name>/logs/` (`cagrpo_ray/console.py`).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import os
 import sys
+import traceback
+from pathlib import Path
 
 from cagrpo_ray.config import ConfigError, add_config_args, load_config, to_yaml
 
@@ -32,11 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(to_yaml(config), end="")
         return 0
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    from cagrpo_ray.console import configure_driver_logging
+
+    run_dir = Path(config.run.output_dir) / config.run.name
+    configure_driver_logging(run_dir)  # the libraries' log records and warnings: to a file
     import ray
 
     from cagrpo_ray.data.files import PromptFileError
@@ -57,15 +59,38 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(num_cpus=num_cpus, include_dashboard=False)
     try:
         summary = Trainer(config, resume=args.resume).run()
-    except (PromptFileError, PolicyPathError, PlacementError, PlanError) as exc:
+    except Exception as exc:
+        error = exc
+    else:
+        error = None
+    finally:
+        # The actors are gone; what Ray would still forward from them is in their log files,
+        # and nothing prints after what comes next.
+        ray.shutdown()
+    if isinstance(error, PromptFileError | PolicyPathError | PlacementError | PlanError):
         # bad input found once the run looks at it: one line, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {error}", file=sys.stderr)
         return 2
-    except DynamicSamplingError as exc:  # the latest checkpoint stays as it was
-        print(f"error: {exc}", file=sys.stderr)
+    if isinstance(error, DynamicSamplingError):  # the latest checkpoint stays as it was
+        print(f"error: {error}", file=sys.stderr)
         return 1
-    print(final_report(summary))
+    if error is not None:
+        traceback.print_exception(error)
+        print(where_the_output_is(error, run_dir), file=sys.stderr)
+        return 1
+    print(final_report(summary), flush=True)  # the last thing printed
     return 0
+
+
+def where_the_output_is(error: BaseException, run_dir: Path) -> str:
+    """The log file of the actor the error came from, or else the folder of all of them."""
+    from cagrpo_ray.console import log_dir, logs_for_error
+
+    logs = log_dir(run_dir)
+    files = logs_for_error(error, logs)
+    if files:
+        return "the failed actor's output: " + ", ".join(map(str, files))
+    return f"every actor's output, and the driver's: {logs}/"
 
 
 REPORT_ROWS = (  # (label, key in the eval results, format)

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from cagrpo_ray.config import Config
+from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.placement import Placement
@@ -108,6 +109,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.log_dir = log_dir(self.run_dir)  # each actor's output: generator-0.log, ...
         self.resume = resume
         self.scheduler: Scheduler | None = None
         self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
@@ -152,8 +154,10 @@ class Trainer:
             len(self.eval_items),
         )
 
-        reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(RewardFunction)
-        self.reward_pool = reward_actor.remote(
+        reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
+        self.reward_pool = reward_actor.options(
+            runtime_env={"env_vars": actor_env(self.log_dir, "reward")}
+        ).remote(
             weights=cfg.reward.weights,
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
@@ -181,6 +185,7 @@ class Trainer:
             learner_settings(cfg, self.model_path),
             cfg.algorithm.loss_spec(),
             actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
+            log_dir=self.log_dir,
         )
         coordinator = WeightSyncCoordinator(
             self.learners,
@@ -267,16 +272,19 @@ class Trainer:
         return exclude
 
     def _generator_env(self, replica: int) -> dict:
-        env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {"VLLM_LOGGING_LEVEL": "INFO", **actor_env(self.log_dir, f"generator-{replica}")}
         r = self.config.rollout
         if r.num_gpus_per_generator == 0:
             # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a
-            # node picks the same core. One core per worker (a tensor-parallel replica has
-            # several, "0|1"), round robin over the node's.
+            # node picks the same core. The node's cores are shared out among the workers (a
+            # tensor-parallel replica has several, "0|1"): one each when there are at least as
+            # many workers as cores (round robin), else a range each ("0-1" for one replica).
             cores = os.cpu_count() or 1
             tp = r.tensor_parallel_size
+            share = max(1, cores // (r.num_generators * tp))
+            first = [((replica * tp + k) * share) % cores for k in range(tp)]
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                str((replica * tp + k) % cores) for k in range(tp)
+                str(c) if share == 1 else f"{c}-{c + share - 1}" for c in first
             )
         return env
 
@@ -301,6 +309,7 @@ class Trainer:
         """The held-out prompts at eval.temperature (with per-prompt details), then at each of
         eval.temperatures (`T<t>/` metrics) and the harder split likewise (`hard/`)."""
         from cagrpo_ray.eval import evaluate
+        from cagrpo_ray.rewards.verifiers import answer_extractor
 
         cfg = self.config
         reward_fn = _RemoteRewardFunction(self.reward_pool)
@@ -309,7 +318,8 @@ class Trainer:
             samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
             sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
             return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
-                            instruction=instruction_text(cfg), details=details)  # fmt: skip
+                            instruction=instruction_text(cfg), details=details,
+                            extract_answer=answer_extractor(cfg.reward.weights))  # fmt: skip
 
         result = at(self.eval_items, cfg.eval.temperature, True)
         sets = [("", self.eval_items)] + ([("hard/", self.hard_items)] if self.hard_items else [])

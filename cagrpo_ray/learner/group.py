@@ -13,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 import socket
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -21,9 +22,12 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from cagrpo_ray.algo import LossSpec
+from cagrpo_ray.console import LOG_FILE_ENV, actor_env, redirect_output
 from cagrpo_ray.learner.batch import check_batch, group_sizes
-from cagrpo_ray.learner.learner import Learner
 from cagrpo_ray.learner.settings import LearnerSettings
+
+if TYPE_CHECKING:
+    from cagrpo_ray.learner.learner import Learner
 
 
 class LearnerGroupError(RuntimeError):
@@ -34,10 +38,12 @@ class LearnerActor:
     """Thin Ray shell around one `Learner` rank.
 
     Construction is split in two so that rank 0's node address and a free port are known
-    before any rank joins the process group (joining blocks until all ranks arrive).
+    before any rank joins the process group (joining blocks until all ranks arrive). DeepSpeed
+    is imported in `setup`, once this rank's output goes to its log file (if it has one).
     """
 
     def __init__(self) -> None:
+        redirect_output()
         self.learner: Learner | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -50,6 +56,8 @@ class LearnerActor:
     def setup(self, settings: LearnerSettings, loss: LossSpec, **rank: Any) -> None:
         """Build this rank's Learner; it joins the process group from rank, world_size,
         master_addr and master_port (exported as RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+        from cagrpo_ray.learner.learner import Learner
+
         self.learner = Learner(settings, loss, **rank)
 
     def train_step(
@@ -115,7 +123,8 @@ class LearnerGroup:
     """`num_learners` data-parallel `Learner` ranks on Ray, used like one learner.
 
     Every rank gets the same `settings` (its torch thread count set from the Ray CPUs it asks
-    for) and loss `spec`; the group sets each rank's place in the process group.
+    for) and loss `spec`; the group sets each rank's place in the process group. With
+    `log_dir`, rank r writes its output (DeepSpeed's included) to `log_dir/learner-<r>.log`.
     """
 
     def __init__(
@@ -126,6 +135,7 @@ class LearnerGroup:
         num_cpus_per_learner: float = 0.5,
         num_gpus_per_learner: float = 0.0,
         actor_options: list[dict] | None = None,
+        log_dir: str | Path | None = None,
     ) -> None:
         if num_learners < 1:
             raise ValueError(f"num_learners must be >= 1, got {num_learners}")
@@ -136,9 +146,14 @@ class LearnerGroup:
         )
         threads = max(1, int(options[0]["num_cpus"]))
         remote_cls = ray.remote(max_restarts=0)(LearnerActor)
-        env = {"env_vars": {"OMP_NUM_THREADS": str(threads)}}
+        envs = [{"OMP_NUM_THREADS": str(threads)} for _ in range(num_learners)]
+        self.log_files: list[Path | None] = [None] * num_learners  # each rank's output
+        if log_dir is not None:
+            for rank, env in enumerate(envs):
+                env.update(actor_env(log_dir, f"learner-{rank}"))
+                self.log_files[rank] = Path(env[LOG_FILE_ENV])
         self.actors = [
-            remote_cls.options(**options[rank], runtime_env=env).remote()
+            remote_cls.options(**options[rank], runtime_env={"env_vars": envs[rank]}).remote()
             for rank in range(num_learners)
         ]
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
@@ -271,11 +286,13 @@ class LearnerGroup:
             except (RayActorError, RayTaskError) as err:
                 rank = rank_of[done[0]]
                 died = isinstance(err, RayActorError)
+                log_file = self.log_files[rank]
                 self.shutdown()
                 raise LearnerGroupError(
                     f"learner rank {rank} {'died' if died else 'failed'} during {method}(); "
                     f"the data-parallel group cannot continue without it, so all "
                     f"{len(refs)} ranks were stopped. Resume from the last checkpoint. "
-                    f"Cause: {err}"
+                    + (f"Its output: {log_file}. " if log_file else "")
+                    + f"Cause: {err}"
                 ) from err
         return [results[rank] for rank in range(len(refs))]

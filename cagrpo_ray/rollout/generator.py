@@ -23,6 +23,8 @@ import threading
 
 import ray
 
+from cagrpo_ray.console import redirect_output
+
 from .engines import make_engine
 from .types import Completion, SamplingConfig
 
@@ -37,6 +39,7 @@ class Generator:
     """Hosts one generation engine; `generate` returns `Completion`s tagged with its version."""
 
     def __init__(self, replica: int, engine: str, model_path: str, engine_options: dict):
+        redirect_output()  # as an actor of a run: vLLM's output goes to the run's log file
         self.replica = replica
         self.engine = make_engine(engine, model_path, **engine_options)
         self._gate = threading.Condition()
