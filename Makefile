@@ -60,8 +60,8 @@ services:
 	fi
 
 test: setup services
-	$(PY) -m pytest tests -m unit -q
-	$(PY) -m pytest tests -m "not unit" -q
+	$(PY) -m pytest tests -m unit -q --durations=10
+	$(PY) -m pytest tests -m "not unit" -q --durations=20
 
 test-unit: setup
 	$(PY) -m pytest tests -m unit -q
