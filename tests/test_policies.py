@@ -17,12 +17,12 @@ from cagrpo_ray.policies.accuracy import accuracy, extract_answer, is_correct
 from cagrpo_ray.policies.build import (
     PRESETS,
     PolicySpec,
-    cache_root,
     ensure_policy,
     heldout_items,
     load_policy,
     resolve_policy,
 )
+from cagrpo_ray.policies.cache import cache_root
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, random_policy
 from cagrpo_ray.policies.sft import (
     IGNORE,

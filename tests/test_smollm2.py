@@ -27,7 +27,8 @@ from cagrpo_ray.inspect.capture import capture_step
 from cagrpo_ray.inspect.page import VISIBLE_WHITESPACE
 from cagrpo_ray.learner.scorer import TokenScorer
 from cagrpo_ray.policies import gguf
-from cagrpo_ray.policies.build import cache_root, resolve_policy
+from cagrpo_ray.policies.build import resolve_policy
+from cagrpo_ray.policies.cache import cache_root
 from cagrpo_ray.policies.gguf import (
     GGUF_PRESETS,
     GGUFPolicyError,

@@ -16,7 +16,6 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import os
 import re
 import shutil
 import sys
@@ -31,13 +30,12 @@ from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 from cagrpo_ray.data.solutions import worked_solution
 from cagrpo_ray.data.types import PromptItem
 from cagrpo_ray.policies.accuracy import accuracy
-from cagrpo_ray.policies.cache import PolicyPathError, cache_root
+from cagrpo_ray.policies.cache import BUILD_INFO, PolicyPathError, cached_build
 from cagrpo_ray.policies.model import PolicySize, new_policy, parameter_count, save_policy
 from cagrpo_ray.policies.sft import encode_examples, train_sft
 
 # Bump when a code change alters what a spec builds, so that stale cached builds are not reused.
 BUILD_VERSION = 1
-BUILD_INFO = "build_info.json"
 
 
 @dataclass(frozen=True)
@@ -217,19 +215,9 @@ def ensure_policy(spec: PolicySpec, *, progress: bool = True, threads: int | Non
     Concurrent callers wait on a lock file and build once; a build lands in the cache by an
     atomic rename, so an interrupted build never leaves a half-written policy behind.
     """
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / spec.key()
-    with open(root / f"{spec.key()}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / BUILD_INFO).is_file():
-            return path
-        staging = root / f".{spec.key()}.building-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        build_policy(spec, staging, progress=progress, threads=threads)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(staging, path)
-    return path
+    return cached_build(
+        spec.key(), lambda staging: build_policy(spec, staging, progress=progress, threads=threads)
+    )
 
 
 def resolve_policy(

@@ -20,22 +20,18 @@ found with `importlib.util.find_spec`, which does not run the package's `__init_
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from cagrpo_ray.policies.cache import PolicyPathError, cache_root
+from cagrpo_ray.policies.cache import BUILD_INFO, PolicyPathError, cached_build
 
 # Bump when a code change alters what a conversion writes.
 CONVERT_VERSION = 1
-BUILD_INFO = "build_info.json"
 
 
 @dataclass(frozen=True)
@@ -158,19 +154,7 @@ def ensure_gguf_policy(gguf_path: str | Path, label: str | None = None) -> Path:
     if not gguf_path.is_file():
         raise GGUFPolicyError(f"GGUF file {gguf_path} does not exist")
     key = gguf_cache_key(gguf_path, label or gguf_path.stem.lower())
-    root = cache_root()
-    root.mkdir(parents=True, exist_ok=True)
-    path = root / key
-    with open(root / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (path / BUILD_INFO).is_file():
-            return path
-        staging = root / f".{key}.building-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        convert_gguf(gguf_path, staging)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(staging, path)
-    return path
+    return cached_build(key, lambda staging: convert_gguf(gguf_path, staging))
 
 
 def ensure_packaged_policy(name: str) -> Path:
