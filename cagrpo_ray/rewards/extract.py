@@ -55,6 +55,19 @@ def extract_final_answer(text: str) -> str | None:
     return extract_boxed(text)
 
 
+def strip_trailing_special_tokens(text: str) -> str:
+    """`text` stripped, without the special tokens an engine left at its end (`</s>`,
+    `<|im_end|>`, ...)."""
+    text = text.strip()
+    while True:
+        if text.endswith(("</s>", "<eos>", "<pad>")):
+            text = text[: text.rfind("<")].rstrip()
+        elif text.endswith("|>") and "<|" in text[-64:]:
+            text = text[: text.rfind("<|")].rstrip()
+        else:
+            return text
+
+
 def extract_code(text: str) -> str | None:
     """Python source from a response: the last fenced block, searched in the answer tag first.
 
@@ -134,7 +147,7 @@ def extract_answer_text(text: str) -> tuple[str | None, str | None]:
     normalised: "Answer: 1,234 apples." gives "1234"); one without a number gives its text
     without trailing punctuation. (None, None) when the response has none of these.
     """
-    text = text.replace("<|im_end|>", "").replace("<|endoftext|>", "")
+    text = strip_trailing_special_tokens(text)
     segment, how = extract_tagged(text, "answer"), "tag"
     if segment is not None:
         segment = extract_boxed(segment) or segment

@@ -27,6 +27,7 @@ from cagrpo_ray.rewards.extract import (
     extract_tagged,
     is_number,
     normalize_number,
+    strip_trailing_special_tokens,
 )
 from cagrpo_ray.rewards.sandbox import SandboxLimits, outputs_match, run_solution
 
@@ -127,7 +128,7 @@ def verify_format(response: str, item: dict) -> float:
     Special tokens the engine left at the end of the text (`</s>`, `<|im_end|>`, ...) are
     ignored.
     """
-    text = _strip_trailing_special_tokens(response)
+    text = strip_trailing_special_tokens(response)
     tags = ("<think>", "</think>", "<answer>", "</answer>")
     if any(text.count(tag) != 1 for tag in tags):
         return 0.0
@@ -136,17 +137,6 @@ def verify_format(response: str, item: dict) -> float:
     if not ordered or text[think_close + len("</think>") : answer_open].strip():
         return 0.0
     return 1.0 if answer_close + len("</answer>") == len(text) else 0.0
-
-
-def _strip_trailing_special_tokens(text: str) -> str:
-    text = text.strip()
-    while True:
-        if text.endswith(("</s>", "<eos>", "<pad>")):
-            text = text[: text.rfind("<")].rstrip()
-        elif text.endswith("|>") and "<|" in text[-64:]:
-            text = text[: text.rfind("<|")].rstrip()
-        else:
-            return text
 
 
 def verify_code(response: str, item: dict, limits: SandboxLimits | None = None) -> float:
@@ -200,12 +190,22 @@ def _maybe_json(value):
 def verify_task(response: str, item: dict, code_limits: SandboxLimits | None = None) -> float:
     """The task verifier that fits the item: reasoning_gym items (with `source_dataset`) by
     their dataset, items with test cases by running code, everything else by math-verify."""
-    metadata = item.get("metadata") or {}
-    if metadata.get("source_dataset"):
+    kind = task_kind(item)
+    if kind == "reasoning_gym":
         return verify_reasoning_gym(response, item)
-    if metadata.get("test_cases") or metadata.get("tests"):
+    if kind == "code":
         return verify_code(response, item, code_limits)
     return verify_math(response, item)
+
+
+def task_kind(item: dict) -> str:
+    """Which verifier `task` applies to `item`: reasoning_gym, code or math."""
+    metadata = item.get("metadata") or {}
+    if metadata.get("source_dataset"):
+        return "reasoning_gym"
+    if metadata.get("test_cases") or metadata.get("tests"):
+        return "code"
+    return "math"
 
 
 def answer_parser(name: str) -> Callable[[str, dict], bool] | None:
@@ -224,17 +224,13 @@ def answer_parser(name: str) -> Callable[[str, dict], bool] | None:
     def code(response: str, item: dict) -> bool:
         return extract_code(response) is not None
 
-    def task(response: str, item: dict) -> bool:
-        metadata = item.get("metadata") or {}
-        if metadata.get("source_dataset"):
-            return tagged(response, item)
-        if metadata.get("test_cases") or metadata.get("tests"):
-            return code(response, item)
-        return final(response, item)
-
     parsers = {"reasoning_gym": tagged, "reasoning_gym_text": free_text, "math": final,
-               "code": code, "task": task}  # fmt: skip
-    return parsers.get(name)
+               "code": code}  # fmt: skip
+
+    def task(response: str, item: dict) -> bool:
+        return parsers[task_kind(item)](response, item)
+
+    return {**parsers, "task": task}.get(name)
 
 
 def answer_extractor(weights) -> Callable[[str], str | None]:
