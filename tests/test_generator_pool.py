@@ -1,6 +1,7 @@
 """GeneratorPool: prompt order, balancing across replicas, and a replica that dies mid-run."""
 
 import os
+import time
 
 import pytest
 import ray
@@ -15,8 +16,9 @@ pytestmark = pytest.mark.integration
 class EchoReplica:
     """Stands in for a generator in this unit of the pool: echoes prompts, can crash once."""
 
-    def __init__(self, name, crash_marker=None):
+    def __init__(self, name, crash_marker=None, load_s=0.0):
         self.name, self.crash_marker, self.calls = name, crash_marker, 0
+        self.load_s = load_s
 
     def generate(self, prompts, sampling):
         self.calls += 1
@@ -33,6 +35,10 @@ class EchoReplica:
 
     def count(self):
         return self.calls
+
+    def receive_weights(self, version):
+        time.sleep(self.load_s)
+        return version
 
     def ready(self):
         return {"name": self.name}
@@ -93,3 +99,28 @@ def test_chunks_in_flight_are_tagged_and_busy_time_counted(local_ray):
     assert [f.chunk.tag for f in finished] == ["a", "b"] and not any(f.lost for f in finished)
     assert [g[0].token_ids[0] for g in finished[0].groups] == [1, 2]
     assert pool.busy_seconds > 0 and pool.idle_replicas() == [0, 1]
+
+
+def test_work_waits_for_an_idle_replica_that_is_loading_weights(local_ray):
+    """After a sync every replica loads at once: the first to finish must not take the whole
+    batch while the others are a moment from serving."""
+    actors = [EchoReplica.remote("fast"), EchoReplica.remote("slow", load_s=1.0)]
+    pool = GeneratorPool(actors, chunk_prompts=2)
+    fast, slow = pool.receive_weights(0)
+    ray.get(fast)
+    assert pool.available_replicas() == []  # the slow replica is idle and still loading
+    ray.get(slow)
+    assert pool.available_replicas() == [0, 1]
+
+    # A replica with requests in flight loads after them: the others do not wait for it.
+    pool.submit(1, [[1]], SamplingConfig(n=1), tag="old")
+    fast, slow = pool.receive_weights(0)
+    ray.get(fast)
+    assert pool.available_replicas() == [0]
+    pool.drain()
+
+    # Blocking generation waits for a load instead of giving up on the pool, and uses both.
+    pool.receive_weights(0)
+    out = pool.generate([[i] for i in range(8)], SamplingConfig(n=1))
+    assert [group[0].token_ids[0] for group in out] == list(range(8))
+    assert {c.text for group in out for c in group} == {"fast", "slow"}

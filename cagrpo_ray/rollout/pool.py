@@ -113,8 +113,15 @@ class GeneratorPool:
 
     def available_replicas(self, chunk: int = 1) -> list[int]:
         """Replicas that may take a chunk of `chunk` prompts now (not loading weights, not
-        waiting for a resync, under `max_prompts_in_flight`), least loaded first."""
+        waiting for a resync, under `max_prompts_in_flight`), least loaded first.
+
+        Empty while an idle replica is still loading weights: it serves in a moment, and the
+        work is held for it so that it gets its share, rather than the first replica to finish
+        loading taking all of it (after a synchronous step every replica loads at once, and a
+        replica whose request holds the whole batch leaves the others idle for that step)."""
         self._settle_loads()
+        if any(self._prompts[r] == 0 for r in self._loading):
+            return []
         limit = self.max_prompts_in_flight
         ready = [
             r
@@ -278,6 +285,9 @@ class GeneratorPool:
                 self.submit(ready[0], chunk, chunk_sampling(sampling, start), (start, chunk))
                 submitted = True
             if chunks and not submitted and not self._in_flight:
+                if self._loading:  # an idle replica is loading: wait for its load
+                    ray.wait(list(self._loading.values()), num_returns=1)
+                    continue
                 if not self._stale or resync is None:
                     raise RuntimeError(
                         f"no generator replica can take work (needing weights: "

@@ -37,6 +37,7 @@ from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
 WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
 CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the box (ENVIRONMENT.md)
 CPU_BATCHED_TOKENS = 8192  # tokens per engine step on the CPU, where prefills are never split
+CPU_MAX_SEQS = 256  # sequences per engine step on the CPU (vLLM's `LLM` default there)
 
 
 class VLLMEngine:
@@ -88,6 +89,9 @@ class VLLMEngine:
             # happens once many requests arrive while others run. Whole prefills avoid it.
             options["enable_chunked_prefill"] = False
             options["max_num_batched_tokens"] = max(max_model_len, CPU_BATCHED_TOKENS)
+            # AsyncLLM's engine context would allow 128 sequences per step on CPU (`LLM` 256):
+            # a request of 16 prompts x 16 samples would run in two waves.
+            options["max_num_seqs"] = CPU_MAX_SEQS
         options.update(engine_options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
