@@ -8,7 +8,10 @@ covariance and kernel-weight statistics, and the same held-out evaluations.
 History: the first file was recorded by commit ebb9699's two trainers (sync, and async with
 bound 0); the one scheduler reproduced both bit for bit (commit 7e201f7), and so did the
 chunked-logits learner. The file was re-recorded when generation moved to vLLM's async engine
-with mixed per-prompt seeds, which changes the samples on purpose (the file's `recorded_by`).
+with mixed per-prompt seeds, which changes the samples on purpose, and again when the
+generator pool began to hold work for a replica still loading weights (each replica's engine
+now batches half of a synchronous step's prompts: other batches, other floating-point sums);
+that file was recorded on an AVX512 machine (the file's `machine` and `recorded_by`).
 
 Bit equality needs the same floating-point kernels and the same starting policy: the golden
 file names the CPU, the torch build and the policy's sha256. On another machine (whose own
