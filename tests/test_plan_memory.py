@@ -31,6 +31,8 @@ response to the last column: the worst case the planner plans for):
     ZeRO-1       yes            128      267.7     265.0      6.6 (6.6)
     ZeRO-2       yes            128     1150.2    1174.3      6.6 (6.6)
     ZeRO-3       yes            128     1240.3    1237.8      6.6 (6.6)
+    SmolLM2-135M-Instruct as configs/cpu-smollm2.yaml trains it (2026-12-01; 256 MiB chunks):
+    ZeRO-2       yes            192     5565.6    5814.4    112.4 (112.4)
 
 The estimate is high without checkpointing because it counts every gradient from the start of
 backward, where the peak is; the gradients appear layer by layer as the activations go.
@@ -71,6 +73,7 @@ SIZES = {  # name: (random_policy's size, batch width)
 }
 GROUPS, GROUP_SIZE = 2, 4  # 8 rows: one micro-batch of 8
 TOLERANCE = 0.25
+LOGITS_CHUNK_MIB = LearnerSettings.logits_chunk_mib  # the learner's default
 
 
 def free_port() -> int:
@@ -130,7 +133,9 @@ def full_width_batch(width: int, seed: int) -> dict:
     return batch
 
 
-def measure_learner(policy: str, stage: int, checkpointing: bool, dtype: str, width: int):
+def measure_learner(
+    policy: str, stage: int, checkpointing: bool, dtype: str, width: int, chunk_mib: float
+):
     """Build a one-rank Learner, train a warm-up step, then measure a second step: the bytes
     the learner holds before it plus the step's peak above that, and what the forward pass
     keeps for backward. Runs in a fresh process (`measure`), so that no earlier learner's
@@ -143,6 +148,7 @@ def measure_learner(policy: str, stage: int, checkpointing: bool, dtype: str, wi
         micro_batch_size=GROUPS * GROUP_SIZE,
         gradient_checkpointing=checkpointing,
         dtype=dtype,
+        logits_chunk_mib=chunk_mib,
     )
     learner = Learner(settings, LossSpec("cagrpo"), master_port=free_port())
     learner.train_step(full_width_batch(width, seed=0))
@@ -162,6 +168,7 @@ def _measure_and_send(connection, *args) -> None:
 
 
 MEASURE_TIMEOUT_S = 600
+SMOLLM2_WIDTH = 192
 
 
 @pytest.fixture(scope="module")
@@ -172,19 +179,19 @@ def policies(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def measure(policies):
-    """measure(size name, zero stage, checkpointing, dtype) -> dict, each case measured once,
-    in a fresh process with its own process group. Spawned, not forked: a fork of this process
-    after other tests have run can inherit a lock held by one of their threads and hang."""
+def measure_policy():
+    """measure_policy(policy dir, zero stage, checkpointing, dtype, width, logits chunk MiB)
+    -> dict, each case measured once, in a fresh process with its own process group. Spawned,
+    not forked: a fork of this process after other tests have run can inherit a lock held by
+    one of their threads and hang."""
     done = {}
     context = multiprocessing.get_context("spawn")
 
-    def run(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> dict:
-        key = (name, stage, checkpointing, dtype)
+    def run(policy, stage, checkpointing, dtype, width, chunk_mib=LOGITS_CHUNK_MIB) -> dict:
+        key = (policy, stage, checkpointing, dtype, width, chunk_mib)
         if key not in done:
             ours, theirs = context.Pipe()
-            args = (policies[name], stage, checkpointing, dtype, SIZES[name][1])
-            child = context.Process(target=_measure_and_send, args=(theirs, *args))
+            child = context.Process(target=_measure_and_send, args=(theirs, *key))
             child.start()
             theirs.close()
             if not ours.poll(MEASURE_TIMEOUT_S):
@@ -199,7 +206,24 @@ def measure(policies):
     return run
 
 
-def check_estimate(policy: str, measured: dict, stage: int, checkpointing: bool, dtype: str):
+@pytest.fixture(scope="module")
+def measure(policies, measure_policy):
+    """measure(size name, zero stage, checkpointing, dtype) -> dict, for the random policies."""
+
+    def run(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> dict:
+        return measure_policy(policies[name], stage, checkpointing, dtype, SIZES[name][1])
+
+    return run
+
+
+def check_estimate(
+    policy: str,
+    measured: dict,
+    stage: int,
+    checkpointing: bool,
+    dtype: str,
+    chunk_mib: float = LOGITS_CHUNK_MIB,
+):
     """The estimator's total within TOLERANCE of the measured peak, and what the forward pass
     keeps for backward (one layer's working set is recomputed later) within 10%."""
     config = load_config(
@@ -211,6 +235,7 @@ def check_estimate(policy: str, measured: dict, stage: int, checkpointing: bool,
             "learner.num_learners=1",
             f"learner.micro_batch_size={GROUPS * GROUP_SIZE}",
             f"learner.gradient_checkpointing={str(checkpointing).lower()}",
+            f"learner.logits_chunk_mib={chunk_mib}",
             f"rollout.prompts_per_step={GROUPS}",
             f"rollout.group_size={GROUP_SIZE}",
             # the batch's width: the learner cuts the padding columns
@@ -261,3 +286,14 @@ def test_the_zero2_reduce_bucket_is_modelled(policies, measure):
     measured = measure("2M", 2, False)
     assert measured["measured"] > 1.8 * 2**30  # the float32 bucket of 5e8 elements dominates
     check_estimate(policies["2M"], measured, 2, False, "float32")
+
+
+def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure_policy):
+    """The real model (134.5M parameters, a tied 49,152 x 576 embedding) as
+    configs/cpu-smollm2.yaml trains it: ZeRO-2, float32, gradient checkpointing, 256 MiB logits
+    chunks; 8 rows of SMOLLM2_WIDTH tokens (the run's micro-batch is 16 rows of up to 384)."""
+    config = load_config("configs/cpu-smollm2.yaml")
+    learner = config.learner
+    args = (learner.zero_stage, learner.gradient_checkpointing, config.model.dtype)
+    measured = measure_policy(smollm2_dir, *args, SMOLLM2_WIDTH, learner.logits_chunk_mib)
+    check_estimate(smollm2_dir, measured, *args, learner.logits_chunk_mib)
