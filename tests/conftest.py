@@ -44,3 +44,12 @@ def smollm2_dir() -> str:
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory):
+    """One short run of `make train`'s command with the controller, dynamic sampling, the
+    inspector and the harder evaluation on (tests/short_run.py), read by several modules."""
+    from short_run import run_short
+
+    return run_short(tmp_path_factory.mktemp("short_run"))

@@ -1,10 +1,11 @@
 """A quiet console with everything kept (`cagrpo_ray/console.py`).
 
-A short run of `configs/cpu-tiny.yaml` (`make train`'s config) prints the project's lines and
-ends with the final table, with none of vLLM's, DeepSpeed's or Ray's own lines; those are in
-`runs/<name>/logs/`, one file per actor (the generators' holding the output of vLLM's engine
-process) and one for the driver. The unit tests check the redirect of one process's output,
-the driver's routing of log records, and how a Ray error is matched with its actor's file.
+The session's short run of `make train`'s command (tests/short_run.py) prints the project's
+lines and ends with the final table, with none of vLLM's, DeepSpeed's or Ray's own lines;
+those are in `runs/<name>/logs/`, one file per actor (the generators' holding the output of
+vLLM's engine process) and one for the driver. The unit tests check the redirect of one
+process's output, the driver's routing of log records, and how a Ray error is matched with its
+actor's file.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import short_run as short_run_module
 
 from cagrpo_ray.console import (
     LOG_FILE_ENV,
@@ -188,56 +190,26 @@ def test_a_ray_error_is_matched_with_its_actors_file_by_pid(tmp_path):
 # ---------------------------------------------------------------------------- integration
 
 
-@pytest.fixture(scope="module")
-def short_run(tmp_path_factory):
-    """`make train`'s command, cut to a short run: its console (stdout and stderr in the
-    order printed) and its run directory."""
-    out = tmp_path_factory.mktemp("console")
-    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]
-    for item in (
-        f"run.output_dir={out}",
-        "run.name=quiet",
-        "run.steps=2",
-        "rollout.prompts_per_step=2",
-        "data.eval_size=2",
-        "eval.samples=1",
-        "metrics.port=0",
-        "metrics.inspect_port=null",
-    ):
-        command += ["--set", item]
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # a local cluster
-    result = subprocess.run(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=900,
-    )
-    return result, out / "quiet"
-
-
 @pytest.mark.integration
 def test_the_console_holds_the_projects_lines_and_ends_with_the_table(short_run):
-    result, run_dir = short_run
-    assert result.returncode == 0, result.stdout[-4000:]
-    console = result.stdout
+    run_dir, console = short_run.run_dir, short_run.console
+    assert short_run.returncode == 0, console[-4000:]
     for phrase in THIRD_PARTY:
         assert phrase not in console, phrase
     lines = console.splitlines()
     assert not [line for line in lines if FORWARDED.match(line)]  # nothing from an actor
     records = [line for line in lines if re.search(r"\b(DEBUG|INFO|WARNING)\b", line)]
     assert records and all(PROJECT_RECORD.match(line) for line in records), records
-    assert sum("INFO cagrpo_ray: step " in line for line in lines) == 2  # one line a step
+    steps = short_run_module.STEPS
+    assert sum("INFO cagrpo_ray: step " in line for line in lines) == steps  # one line a step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert console.rstrip("\n").endswith("\n" + final_report(summary))  # the table is last
 
 
 @pytest.mark.integration
 def test_the_libraries_output_is_kept_in_one_log_file_per_actor(short_run):
-    result, run_dir = short_run
-    assert result.returncode == 0, result.stdout[-4000:]
+    run_dir = short_run.run_dir
+    assert short_run.returncode == 0, short_run.console[-4000:]
     logs = run_dir / "logs"
     assert sorted(p.stem for p in logs.glob("*.log")) == sorted([*ACTORS, "driver"])
     text = {role: (logs / f"{role}.log").read_text() for role in [*ACTORS, "driver"]}
@@ -250,4 +222,5 @@ def test_the_libraries_output_is_kept_in_one_log_file_per_actor(short_run):
     for role in ("learner-0", "learner-1"):
         assert "Setting accelerator to CPU" in text[role]  # DeepSpeed's
     assert "Started a local Ray instance" in text["driver"]
-    assert "INFO cagrpo_ray: step 2/2" in text["driver"]
+    steps = short_run_module.STEPS
+    assert f"INFO cagrpo_ray: step {steps}/{steps}" in text["driver"]

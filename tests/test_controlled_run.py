@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import ray
+from short_run import CONFIG, EVAL_SIZE, HARD_SIZE, KAPPA_BAND, KAPPA_RATE, STEPS
 
 from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import load_config
@@ -22,53 +22,29 @@ from cagrpo_ray.trainer import STATE_FILE, Trainer
 
 pytestmark = pytest.mark.integration
 
-BAND, RATE = (0.995, 1.005), 0.5  # narrow, so that kappa moves within a few steps
-
 
 @pytest.fixture(scope="module")
-def controlled_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("controlled")
-    config = load_config(
-        "configs/cpu-tiny.yaml",
-        [
-            f"run.output_dir={tmp_path}",
-            "run.name=controlled",
-            "run.steps=4",
-            "run.checkpoint_every=0",
-            "run.save_policy=never",
-            "data.eval_size=8",
-            "eval.samples=2",
-            "eval.temperatures=[0.7, 0]",
-            "eval.hard_config={min_terms: 5, max_terms: 6}",
-            "eval.hard_size=8",
-            "metrics.enabled=false",
-            "metrics.inspect_every=0",
-            "algorithm.kappa_control=entropy",
-            f"algorithm.kappa_entropy_band=[{BAND[0]}, {BAND[1]}]",
-            f"algorithm.kappa_rate={RATE}",
-        ],
-    )
-    ray.init(num_cpus=3, include_dashboard=False)
-    trainer = Trainer(config)
-    try:
-        summary = trainer.run()
-    finally:
-        ray.shutdown()
-    return config, trainer, summary
+def controlled_run(short_run):
+    """The session's short run (tests/short_run.py), with its config and summary, and a Trainer
+    of that config (not run) for the held-out splits it evaluated on."""
+    assert short_run.returncode == 0, short_run.console[-4000:]
+    config = load_config(CONFIG, short_run.overrides)
+    summary = json.loads((short_run.run_dir / "summary.json").read_text())
+    return config, Trainer(config), summary
 
 
 def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
     config, trainer, _ = controlled_run
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3, 4]
-    replay = KappaController(1.0, BAND, RATE)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    replay = KappaController(1.0, KAPPA_BAND, KAPPA_RATE)
     for record in records:
         assert record["cagrpo/kappa"] == pytest.approx(replay.kappa, rel=1e-12)
         replay.update(record["entropy/mean"])
     assert len({r["cagrpo/kappa"] for r in records}) > 1  # the narrow band made it move
 
     # the final checkpoint carries the controller; a restored scheduler continues with it
-    state = json.loads((trainer.ckpt_root / "step_000004" / STATE_FILE).read_text())
+    state = json.loads((trainer.ckpt_root / f"step_{STEPS:06d}" / STATE_FILE).read_text())
     assert KappaController.from_state(state["kappa_controller"]).state() == replay.state()
     restored = Scheduler(config, *[None] * 8)
     restored.restore(state)
@@ -77,12 +53,14 @@ def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
 
 def test_evaluation_at_each_temperature_and_on_the_harder_split(controlled_run):
     _, trainer, summary = controlled_run
+    trainer.train_source, trainer.eval_items = trainer._sources()
+    trainer.hard_items = trainer._hard_items()
     after = summary["eval_after"]
     for prefix in ("", "hard/"):
         for t in ("", "T0.7/", "T0/"):
             value = after[f"{prefix}{t}pass@1"]
             assert 0.0 <= value <= 1.0, (prefix, t)
-        assert after[f"{prefix}T0.7/num_prompts"] == 8
+        assert after[f"{prefix}T0.7/num_prompts"] == (EVAL_SIZE if not prefix else HARD_SIZE)
         assert f"{prefix}T0/pass@2" not in after  # greedy: one sample a prompt
         assert f"{prefix}T0.7/pass@2" in after
     assert all(item.metadata["num_terms"] >= 5 for item in trainer.hard_items)

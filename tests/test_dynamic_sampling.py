@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import ray
+from short_run import PROMPTS, STEPS
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
@@ -38,15 +39,15 @@ def local_ray():
     ray.shutdown()
 
 
-def test_no_batch_holds_a_group_without_signal(local_ray, tmp_path):
-    config = load_config("configs/cpu-tiny.yaml", overrides(tmp_path, "dynamic"))
-    Trainer(config).run()
-    records = read_metrics(tmp_path / "dynamic" / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
+def test_no_batch_holds_a_group_without_signal(short_run):
+    """The session's short run (tests/short_run.py) has dynamic sampling on."""
+    assert short_run.returncode == 0, short_run.console[-4000:]
+    records = read_metrics(short_run.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["reward/equal_reward_groups"] == 0.0 for r in records)
     # groups were dropped (about half have equal rewards on this task) and replaced
     assert sum(r["dynamic_sampling/filtered_groups"] for r in records) > 0
-    assert all(r["dynamic_sampling/scored_groups"] >= 16 for r in records)
+    assert all(r["dynamic_sampling/scored_groups"] >= PROMPTS for r in records)
 
 
 def test_a_task_without_signal_stops_at_the_bound(local_ray, tmp_path):

@@ -4,79 +4,47 @@ newest step while the run trains, and the page carries the learner's values.
 
 The learner's values are checked against an independent computation from the same records:
 CA-GRPO's kernel weights over each group (the page's data-w) equal `cagrpo_token_weights` of
-the learner's log-probs and the groups' advantages, their mean over a group's tokens is 1, and
+the learner's log-probs and the groups' advantages at the kappa the entropy controller set for
+the step (from the run's metrics), their mean over a group's tokens is 1, and
 the group's most extreme covariances have its smallest weights.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-import urllib.request
+import json
 
 import numpy as np
 import pytest
-import ray
 import torch
+from short_run import INSPECT_GROUPS, STEPS
 from test_inspect import page_tokens
 
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
-from cagrpo_ray.config import load_config
 from cagrpo_ray.inspect import inspected_steps, read_step, render_page
-from cagrpo_ray.trainer import Trainer
+from cagrpo_ray.metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def inspected_run(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("inspect")
-    config = load_config(
-        "configs/cpu-tiny.yaml",
-        [
-            f"run.output_dir={tmp_path}",
-            "run.name=inspected",
-            "run.steps=2",
-            "run.checkpoint_every=0",
-            "run.save_policy=never",
-            "data.eval_size=8",
-            "eval.samples=2",
-            "metrics.port=0",
-            "metrics.inspect_every=1",
-            "metrics.inspect_groups=2",
-            "metrics.inspect_port=0",
-        ],
-    )
-    ray.init(num_cpus=3, include_dashboard=False)
-    trainer = Trainer(config)
-    run_dir, live = tmp_path / "inspected", {}
-
-    def watch():  # the live page, fetched while the run trains
-        while not inspected_steps(run_dir):
-            time.sleep(0.2)
-        with urllib.request.urlopen(trainer.inspector.url, timeout=30) as response:
-            live["page"] = response.read().decode()
-            live["url"] = trainer.inspector.url
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
-        summary = trainer.run()
-    finally:
-        ray.shutdown()
-    watcher.join(timeout=60)
-    return run_dir, summary, live
+def inspected_run(short_run):
+    """The session's short run (tests/short_run.py): inspected at every step, 2 groups each."""
+    assert short_run.returncode == 0, short_run.console[-4000:]
+    summary = json.loads((short_run.run_dir / "summary.json").read_text())
+    return short_run.run_dir, summary, short_run.live
 
 
 def test_every_step_keeps_whole_groups_with_the_learners_values(inspected_run):
     run_dir, summary, _ = inspected_run
     assert summary["inspect_dir"] == str(run_dir / "inspect")
-    assert inspected_steps(run_dir) == [1, 2]
-    for step in (1, 2):
+    steps = list(range(1, STEPS + 1))
+    assert inspected_steps(run_dir) == steps
+    kappas = {r["step"]: r["cagrpo/kappa"] for r in read_metrics(run_dir / "metrics.jsonl")}
+    for step in steps:
         table, metadata = read_step(run_dir, step)
         assert metadata["step"] == step and metadata["policy_loss"] == "cagrpo"
         groups = table.column("group_id").to_numpy()
-        assert len(set(groups)) == 2 and table.num_rows == 2 * 8
+        assert len(set(groups)) == INSPECT_GROUPS and table.num_rows == INSPECT_GROUPS * 8
         rows = table.to_pylist()
         lengths = [len(r["token_ids"]) for r in rows]
         width = max(lengths)
@@ -91,7 +59,9 @@ def test_every_step_keeps_whole_groups_with_the_learners_values(inspected_run):
         assert (logp - padded("behavior_logprob")).abs()[mask].max() < 1e-4
         want_c = token_covariance(logp, adv, mask, gid, scope="group")
         torch.testing.assert_close(padded("cov")[mask], want_c[mask], rtol=1e-4, atol=1e-6)
-        want_w = cagrpo_token_weights(logp, adv, mask, gid, scope="group")
+        # with the kappa the entropy controller gave this step
+        kappa = kappas[step]
+        want_w = cagrpo_token_weights(logp, adv, mask, gid, scope="group", kappa=kappa)
         weights = padded("weight")
         torch.testing.assert_close(weights[mask], want_w[mask], rtol=1e-4, atol=1e-6)
         for g in set(groups.tolist()):
@@ -104,7 +74,7 @@ def test_every_step_keeps_whole_groups_with_the_learners_values(inspected_run):
 
 def test_the_page_shows_exactly_the_records(inspected_run):
     run_dir, _, _ = inspected_run
-    table, metadata = read_step(run_dir, 2)
+    table, metadata = read_step(run_dir, STEPS)
     tokens = page_tokens(render_page(table, metadata, inspected_steps(run_dir)))
     rows = table.to_pylist()
     assert len(tokens) == sum(len(r["token_ids"]) for r in rows)
@@ -117,5 +87,6 @@ def test_the_page_shows_exactly_the_records(inspected_run):
 
 def test_the_driver_served_the_newest_step_on_loopback_while_it_trained(inspected_run):
     _, _, live = inspected_run
+    assert "page" in live, live
     assert live["url"].startswith("http://127.0.0.1:")
     assert "data-w=" in live["page"]

@@ -254,18 +254,17 @@ def test_clopper_pearson_known_values():
     assert lower == pytest.approx(0.1871, abs=1e-4) and upper == pytest.approx(0.8129, abs=1e-4)
 
 
-SMALL_BUDGET_STEPS = 200
-
-
 @pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_small_budget_warm_start_beats_random_init(monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    spec = PRESETS["chain_sum"].with_budget(SMALL_BUDGET_STEPS)
+@pytest.mark.timeout(900)
+def test_the_warm_started_preset_beats_random_init():
+    """The preset every run starts from (built once into the shared cache, by the first test
+    that needs it) answers measurably more held-out prompts than its random initialisation."""
+    spec = PRESETS["chain_sum"]
     path = ensure_policy(spec, progress=False)
     info = json.loads((path / build.BUILD_INFO).read_text())
     n = info["heldout_size"]
     _, held_out = heldout_items(spec)
+    assert len(held_out) == n
     random_model, tokenizer = new_policy(spec.seed, spec.size)
     random_accuracy, _, _ = accuracy(
         random_model, tokenizer, held_out, sample=False, max_new_tokens=spec.max_new_tokens
@@ -276,10 +275,15 @@ def test_small_budget_warm_start_beats_random_init(monkeypatch, tmp_path):
     _, random_high = clopper_pearson(round(random_accuracy * n), n, 0.98)
     assert built_low > random_high, (info, random_accuracy)
     assert info["mean_sampled_response_tokens"] > 10
+    # the recorded accuracy is the policy's own: recomputed from the cached weights
+    model, _ = load_policy(path)
+    greedy, _, _ = accuracy(model, tokenizer, held_out, sample=False,
+                            max_new_tokens=spec.max_new_tokens)  # fmt: skip
+    # (within 4 prompts: another thread count rounds differently and may flip a near-tie)
+    assert greedy == pytest.approx(info["heldout_accuracy_greedy"], abs=4 / n)
 
     # Reused from the cache, loadable by name-or-dir.
     assert ensure_policy(spec, progress=False) == path
-    model, _ = load_policy(path)
     assert parameter_count(model) == info["parameters"]
 
 
