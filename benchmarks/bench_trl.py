@@ -38,6 +38,12 @@ trained tok/s = completion tokens trained on (loss-mask tokens) / the same wall 
 mode a step's generation overlaps the learner, so its tokens are those finished during the step.
 Ratios are TRL's s/step over ours (higher: we are faster) and ours tok/s over TRL's.
 
+`--model smollm2-135m-instruct`: the real pretrained model as `configs/cpu-smollm2.yaml` trains
+it (4 prompts x 8 samples, <= 200 tokens at temperature 0.7, the config's instruction as the
+system turn on both sides, reward `reasoning_gym_text` alone, lr 1e-5), our synchronous run
+only (that config's layout: 2 generators, 2 learner ranks, gradient checkpointing); TRL as
+above, in float32 without gradient checkpointing (one process with all the memory).
+
 Loss agreement: on one batch from the policy (ragged completion mask, random advantages,
 old log-probs perturbed so that both clip sides are active), TRL's own
 `GRPOTrainer._compute_loss` for loss types grpo, bnpo, dr_grpo and dapo against
@@ -48,6 +54,7 @@ old log-probs perturbed so that both clip sides are active), TRL's own
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -63,9 +70,72 @@ import torch
 from cagrpo_ray.metrics.provenance import markdown_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
-TASK = {"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1}
-PROMPTS, GROUP, MAX_TOKENS, LR, WARMUP_LR = 16, 8, 64, 1e-4, 5
 EPS_LOW, EPS_HIGH = 0.2, 0.28  # the loss check uses different sides to see each one
+LOSS_CHECK_TOKENS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """One side-by-side: the policy, the task, the batch and the settings both trainers use."""
+
+    model: str
+    configs: dict  # our runs: label -> (config file, extra overrides)
+    task: str
+    task_config: dict
+    reward: dict  # verifier -> weight, for both trainers
+    instruction: str | None  # the system turn (None: none), the same ids on both sides
+    prompts: int
+    group: int
+    max_tokens: int
+    temperature: float
+    lr: float
+    warmup_lr: int
+
+
+SETUPS = {
+    # the built-in policy, configs/cpu-tiny.yaml (sync) and configs/async.yaml
+    "chain_sum": Setup(
+        model="chain_sum",
+        configs={"sync": ("configs/cpu-tiny.yaml", []), "async": ("configs/async.yaml", [])},
+        task="chain_sum",
+        task_config={"min_terms": 2, "max_terms": 4, "min_digits": 1, "max_digits": 1},
+        reward={"reasoning_gym": 1.0, "format": 0.1},
+        instruction=None,
+        prompts=16,
+        group=8,
+        max_tokens=64,
+        temperature=1.0,
+        lr=1e-4,
+        warmup_lr=5,
+    ),  # fmt: skip
+    # SmolLM2-135M-Instruct as configs/cpu-smollm2.yaml trains it (synchronous only)
+    "smollm2-135m-instruct": Setup(
+        model="smollm2-135m-instruct",
+        configs={"sync": ("configs/cpu-smollm2.yaml", [])},
+        task="basic_arithmetic",
+        task_config={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        reward={"reasoning_gym_text": 1.0},
+        instruction="from the config",
+        prompts=4,
+        group=8,
+        max_tokens=200,
+        temperature=0.7,
+        lr=1e-5,
+        warmup_lr=5,
+    ),  # fmt: skip
+}
+
+
+def resolved(setup: Setup) -> Setup:
+    """The instruction of a setup that takes it from its sync config."""
+    if setup.instruction != "from the config":
+        return setup
+    from cagrpo_ray.config import load_config
+
+    config = load_config(setup.configs["sync"][0])
+    return dataclasses.replace(setup, instruction=config.data.instruction)
+
+
 # TRL loss_type -> our loss_agg with the same aggregation
 # per-step means shown below the table, where a run logs them
 PHASE_KEYS = (
@@ -100,20 +170,21 @@ def summarize(times: list[float], generated: list[float], trained: list[float]) 
 # ------------------------------------------------------------------------------ TRL
 
 
-def trl_dataset(tokenizer, size: int):
+def trl_dataset(tokenizer, size: int, setup: Setup):
     from datasets import Dataset
 
     from cagrpo_ray.data.prompts import format_prompt
     from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 
-    source = ReasoningGymSource("chain_sum", TASK, seed=0, size=size, split="train")
+    source = ReasoningGymSource(setup.task, setup.task_config, seed=0, size=size, split="train")
     items = [source[i] for i in range(size)]
     rows = {"prompt": [], "uid": []}
+    system = [{"role": "system", "content": setup.instruction}] if setup.instruction else []
     for item in items:
-        rows["prompt"].append([{"role": "user", "content": item.question}])
+        rows["prompt"].append([*system, {"role": "user", "content": item.question}])
         rows["uid"].append(item.uid)
         # TRL tokenizes conversational prompts with the chat template itself: same ids as ours
-        ours = format_prompt(tokenizer, item.question, None)
+        ours = format_prompt(tokenizer, item.question, setup.instruction)
         theirs = tokenizer.apply_chat_template(
             rows["prompt"][-1], add_generation_prompt=True, tokenize=True, return_dict=True
         )["input_ids"]
@@ -152,7 +223,7 @@ def trl_trainer_class():
     return TimedGRPOTrainer
 
 
-def run_trl(model_path: str, warmup: int, steps: int, workdir: Path) -> dict:
+def run_trl(model_path: str, warmup: int, steps: int, workdir: Path, setup: Setup) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
 
@@ -161,8 +232,8 @@ def run_trl(model_path: str, warmup: int, steps: int, workdir: Path) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     total = warmup + steps
-    dataset, items = trl_dataset(tokenizer, PROMPTS * total)
-    reward_fn = RewardFunction(weights={"reasoning_gym": 1.0, "format": 0.1}, num_workers=1)
+    dataset, items = trl_dataset(tokenizer, setup.prompts * total, setup)
+    reward_fn = RewardFunction(weights=dict(setup.reward), num_workers=1)
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -180,20 +251,20 @@ def run_trl(model_path: str, warmup: int, steps: int, workdir: Path) -> dict:
         bf16=False,
         seed=0,
         max_steps=total,
-        per_device_train_batch_size=PROMPTS * GROUP,
+        per_device_train_batch_size=setup.prompts * setup.group,
         gradient_accumulation_steps=1,
-        num_generations=GROUP,
-        max_completion_length=MAX_TOKENS,
-        temperature=1.0,
+        num_generations=setup.group,
+        max_completion_length=setup.max_tokens,
+        temperature=setup.temperature,
         top_p=1.0,
         top_k=0,
         beta=0.0,
         num_iterations=1,
         loss_type="dapo",
         epsilon=0.2,
-        learning_rate=LR,
+        learning_rate=setup.lr,
         lr_scheduler_type="constant_with_warmup",
-        warmup_steps=WARMUP_LR,
+        warmup_steps=setup.warmup_lr,
         max_grad_norm=1.0,
         weight_decay=0.0,
         shuffle_dataset=False,
@@ -224,7 +295,9 @@ def run_trl(model_path: str, warmup: int, steps: int, workdir: Path) -> dict:
 # ------------------------------------------------------------------------------ ours
 
 
-def run_ours(config: str, warmup: int, steps: int, workdir: Path, log: Path) -> tuple[dict, str]:
+def run_ours(
+    config: str, extra: list[str], warmup: int, steps: int, workdir: Path, log: Path, setup: Setup
+) -> tuple[dict, str]:
     out = workdir / Path(config).stem
     sets = [
         f"run.steps={warmup + steps}",
@@ -233,11 +306,13 @@ def run_ours(config: str, warmup: int, steps: int, workdir: Path, log: Path) -> 
         "metrics.enabled=false",
         "data.eval_size=8",
         "algorithm.policy_loss=grpo",
-        f"algorithm.lr={LR}",
-        f"algorithm.warmup_steps={WARMUP_LR}",
-        f"rollout.prompts_per_step={PROMPTS}",
-        f"rollout.group_size={GROUP}",
-        f"rollout.max_tokens={MAX_TOKENS}",
+        f"algorithm.lr={setup.lr}",
+        f"algorithm.warmup_steps={setup.warmup_lr}",
+        f"rollout.prompts_per_step={setup.prompts}",
+        f"rollout.group_size={setup.group}",
+        f"rollout.max_tokens={setup.max_tokens}",
+        f"rollout.temperature={setup.temperature}",
+        *extra,
     ]
     cmd = [sys.executable, "-m", "cagrpo_ray.run", "--config", config]
     for s in sets:
@@ -287,7 +362,7 @@ def loss_agreement(model_path: str, workdir: Path) -> list[tuple[str, str, float
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     g = torch.Generator().manual_seed(0)
-    B, P, T = 16, 12, MAX_TOKENS
+    B, P, T = 16, 12, LOSS_CHECK_TOKENS
     vocab = AutoModelForCausalLM.from_pretrained(model_path).config.vocab_size
     prompt_ids = torch.randint(3, vocab, (B, P), generator=g)
     prompt_mask = torch.ones(B, P, dtype=torch.long)
@@ -371,6 +446,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed learner steps first")
     parser.add_argument("--steps", type=int, default=8, help="timed learner steps")
     parser.add_argument("--skip-ours", action="store_true", help="TRL and the loss check only")
+    parser.add_argument("--model", choices=sorted(SETUPS), default="chain_sum")
     parser.add_argument("--out", type=Path, default=None, help="append the result to this file")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -379,7 +455,8 @@ def main() -> None:
 
     from cagrpo_ray.policies.build import resolve_policy
 
-    model_path = str(resolve_policy("chain_sum"))
+    setup = resolved(SETUPS[args.model])
+    model_path = str(resolve_policy(setup.model))
     tmp = tempfile.TemporaryDirectory(prefix="bench_trl_")
     workdir = Path(tmp.name)
     started = time.time()
@@ -389,18 +466,18 @@ def main() -> None:
         print("loss check", row, flush=True)
     results, commands = {}, {}
     if not args.skip_ours:
-        for name, config in (("sync", "configs/cpu-tiny.yaml"), ("async", "configs/async.yaml")):
+        for name, (config, extra) in setup.configs.items():
             label = f"cagrpo_ray {name}"
             log = workdir / f"{name}.log"
             try:
                 results[label], commands[label] = run_ours(
-                    config, args.warmup, args.steps, workdir, log
+                    config, extra, args.warmup, args.steps, workdir, log, setup
                 )
             except Exception as error:  # report the failure, still run the others
                 print(f"{label} failed: {error}", flush=True)
                 results[label] = None
             print(label, results[label], flush=True)
-    results["TRL GRPOTrainer"] = run_trl(model_path, args.warmup, args.steps, workdir)
+    results["TRL GRPOTrainer"] = run_trl(model_path, args.warmup, args.steps, workdir, setup)
     print("TRL", results["TRL GRPOTrainer"], flush=True)
 
     base = results["TRL GRPOTrainer"]
@@ -425,9 +502,10 @@ def main() -> None:
             ]
         )
     notes = [
-        f"trl {trl.__version__}; {time.time() - started:.0f} s in all. {PROMPTS} prompts x "
-        f"{GROUP} samples per step, <= {MAX_TOKENS} completion tokens; {args.warmup} untimed "
-        f"steps, then the mean over {args.steps} timed steps."
+        f"trl {trl.__version__}; {time.time() - started:.0f} s in all. Policy {setup.model}, "
+        f"task {setup.task}; {setup.prompts} prompts x {setup.group} samples per step, <= "
+        f"{setup.max_tokens} completion tokens at temperature {setup.temperature}; "
+        f"{args.warmup} untimed steps, then the mean over {args.steps} timed steps."
     ]
     reported = [
         f"{name}: {r['reported_gen_tok_s']:.0f} / {r['reported_train_tok_s']:.0f}"
@@ -459,7 +537,7 @@ def main() -> None:
         ]
     notes += [
         f"GRPO loss, TRL `GRPOTrainer._compute_loss` vs `policy_loss('grpo', ...)` on the same "
-        f"16 x {MAX_TOKENS} inputs, clip ({EPS_LOW}, {EPS_HIGH}):",
+        f"16 x {LOSS_CHECK_TOKENS} inputs, clip ({EPS_LOW}, {EPS_HIGH}):",
         markdown_table(
             [
                 "TRL loss_type",
@@ -471,8 +549,9 @@ def main() -> None:
             [[t, agg, f"{v:.6f}", f"{d:.2e}", f"{g:.2e}"] for t, agg, v, d, g in losses],
         ),
     ]
+    on = f" on {setup.model}" if setup.model != "chain_sum" else ""
     report(
-        "cagrpo_ray vs TRL GRPOTrainer",
+        "cagrpo_ray vs TRL GRPOTrainer" + on,
         [
             "trainer",
             "s/step",
@@ -486,7 +565,8 @@ def main() -> None:
         out=args.out,
         notes=notes,
         command="flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_trl.py "
-        f"--warmup {args.warmup} --steps {args.steps}",
+        f"--warmup {args.warmup} --steps {args.steps}"
+        + (f" --model {args.model}" if args.model != "chain_sum" else ""),
     )
 
 
