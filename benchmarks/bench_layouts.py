@@ -1,6 +1,6 @@
 """Which layout of generator replicas and learner ranks is fastest for a config on this machine.
 
-    RAY_AUTH_MODE=disabled flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_layouts.py \\
+    flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_layouts.py \\
         [--config configs/cpu-smollm2.yaml] [--layouts 2x2,1x2,2x1] [--warmup 1] [--steps 2] \\
         [--out benchmarks/results/bench_layouts.md]
 
