@@ -1,8 +1,12 @@
 """What the second evidence round runs, in what order, and the rules that pick its settings.
 
-Only the plan and the rules: `study2.py` executes it, `study2_page.py` reports on it. Every rule
-that chooses a setting from runs is fixed here before the runs, and reads training signals or
-the GRPO search runs only, never a held-out result of a method it would favour.
+Only the plan and the rules: `study2.py` executes it, `study2_page.py` reports on it. The rules
+that choose a setting from runs read training signals or the GRPO search runs only, never a
+held-out result of CA-GRPO or of the Cov baselines. They were not all fixed before the runs:
+`best_lr` (training accuracy only) was, but candidates D and E and the "broke" exclusion of
+`late_regime`'s fallback were added after reading held-out results of GRPO runs (A-C and two
+exploratory probes), so regime D and lr 5e-5, where every method of the late grid then runs,
+were chosen after reading GRPO runs' held-out results.
 
 Groups, in the order of `ORDER` (the most informative first, so that a cut budget still leaves
 a complete comparison):
@@ -68,8 +72,9 @@ LATE_BASE = {
 }
 # A-C were fixed before any search run. All three broke (held-out accuracy far below its start
 # within 30 steps), so D and E were added after them, below the lr where GRPO stays stable and
-# over a longer horizon; that choice read GRPO runs only (A-C, and two exploratory GRPO runs of
-# A's batch shape at 1e-4, which also broke, and 5e-5, which learned steadily for 150 steps).
+# over a longer horizon; that choice read GRPO runs only, their held-out results included (A-C,
+# and two exploratory GRPO runs of A's batch shape at 1e-4, which also broke, and 5e-5, which
+# learned steadily for 150 steps).
 LONG = {"run.steps": "300", "run.eval_every": "50"}
 CANDIDATES = {
     "A": {**LATE_BASE, "algorithm.lr": "2e-4"},
