@@ -297,6 +297,8 @@ class Trainer:
         )
         if r.engine == "vllm":
             options["tensor_parallel_size"] = r.tensor_parallel_size
+            if r.enforce_eager:
+                options["enforce_eager"] = True
             if r.num_gpus_per_generator > 0:
                 options["gpu_memory_utilization"] = r.gpu_memory_utilization
             else:

@@ -54,7 +54,13 @@ def test_a_task_without_signal_stops_at_the_bound(local_ray, tmp_path):
     # the format reward alone: (nearly) every response is well-formed, so groups tie
     config = load_config(
         "configs/cpu-tiny.yaml",
-        overrides(tmp_path, "flat", "reward.weights={format: 1.0}", "algorithm.max_gen_batches=2"),
+        overrides(
+            tmp_path,
+            "flat",
+            "reward.weights={format: 1.0}",
+            "algorithm.max_gen_batches=2",
+            "rollout.enforce_eager=true",
+        ),  # fmt: skip
     )
     with pytest.raises(DynamicSamplingError, match=r"algorithm.max_gen_batches is 2"):
         Trainer(config).run()

@@ -151,6 +151,7 @@ def entrypoint(policy: Path, out: Path, steps: int, metrics_port: int, resume: b
         "data.eval_size=8",
         "eval.samples=2",
         f"metrics.port={metrics_port}",
+        "rollout.enforce_eager=true",  # vLLM starts in half the time; what is tested is the job
     ]
     # The interpreter running the tests, so that the job sees the same installed packages.
     # configs/async.yaml is what users submit (and the RayJob's entrypoint).
@@ -214,6 +215,8 @@ def test_stop_then_resume_as_jobs_with_prometheus_watching(ray_head, policy, pro
     assert "resumed from" in second.stdout
     summary = json.loads((out / "job" / "summary.json").read_text())
     assert summary["final_step"] == stopped_at + 3
+    # rollout.enforce_eager reached the engines (vLLM logs its config)
+    assert "enforce_eager=True" in (out / "job" / "logs" / "generator-0.log").read_text()
 
     entropy = query(prometheus_url, "max_over_time(cagrpo_policy_entropy_nats[30m])")
     tokens = query(prometheus_url, "max_over_time(cagrpo_generated_tokens_per_second[30m])")

@@ -40,7 +40,12 @@ def test_weights_sync_into_a_tensor_parallel_replica_and_it_samples_the_learners
     cores = os.cpu_count() or 1
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(k % cores) for k in range(2)))
     engine = make_engine(
-        "vllm", start, max_model_len=128, tensor_parallel_size=2, kv_cache_gib=0.25
+        "vllm",
+        start,
+        max_model_len=128,
+        tensor_parallel_size=2,
+        kv_cache_gib=0.25,
+        enforce_eager=True,
     )
     pool = ThreadPoolExecutor(max_workers=1)
     try:

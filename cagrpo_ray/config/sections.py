@@ -172,9 +172,8 @@ class RolloutConfig(Section):
     max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
     max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
     kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV-cache size in GiB.")
-    gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vLLM GPU memory share (GPU only)."
-    )
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="vLLM GPU memory share.")
+    enforce_eager: bool = Field(False, description="vLLM without torch.compile: a faster start.")
     chunk_prompts: int = Field(
         4, ge=1, description="Prompts per generation request; small chunks balance replicas."
     )

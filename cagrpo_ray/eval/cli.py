@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--answer-column", default="answer", help="file sources: answer column")
     parser.add_argument("--max-model-len", type=int, default=1024, help="prompt + response")
     parser.add_argument("--kv-cache-gib", type=float, help="vLLM KV cache (default: engine's)")
+    parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
     return parser
 
 
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     engine_options = {"seed": args.seed, "max_model_len": args.max_model_len}
     if args.kv_cache_gib is not None:
         engine_options["kv_cache_gib"] = args.kv_cache_gib
+    if args.eager and args.engine == "vllm":
+        engine_options["enforce_eager"] = True
     engine = make_engine(args.engine, model_path, **engine_options)
     start = time.monotonic()
     try:
