@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import shlex
@@ -461,9 +462,6 @@ def main() -> None:
     workdir = Path(tmp.name)
     started = time.time()
 
-    losses = loss_agreement(model_path, workdir)
-    for row in losses:
-        print("loss check", row, flush=True)
     results, commands = {}, {}
     if not args.skip_ours:
         for name, (config, extra) in setup.configs.items():
@@ -479,6 +477,10 @@ def main() -> None:
             print(label, results[label], flush=True)
     results["TRL GRPOTrainer"] = run_trl(model_path, args.warmup, args.steps, workdir, setup)
     print("TRL", results["TRL GRPOTrainer"], flush=True)
+    gc.collect()  # TRL's trainer and model, before the loss check loads the policy 4 times
+    losses = loss_agreement(model_path, workdir)
+    for row in losses:
+        print("loss check", row, flush=True)
 
     base = results["TRL GRPOTrainer"]
     order = ["TRL GRPOTrainer", "cagrpo_ray sync", "cagrpo_ray async"]
