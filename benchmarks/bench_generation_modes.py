@@ -1,7 +1,8 @@
 """One synchronous step's generation, engine by engine: seeds, chunked prefill, async vs `LLM`.
 
     .venv/bin/python benchmarks/bench_generation_modes.py [--model DIR] [--prompts 16] [--n 8]
-        [--max-tokens 64] [--repeats 5] [--out benchmarks/results/bench_generation_modes.md]
+        [--max-tokens 64] [--repeats 5] [--modes whole,eager,chunked,llm]
+        [--out benchmarks/results/bench_generation_modes.md]
 
 What a synchronous step of the default config asks of its generators (16 prompts x 8 samples,
 at most 64 tokens, temperature 1, on the built-in `chain_sum` policy unless `--model`), timed on
@@ -36,6 +37,8 @@ from bench_rollout_engine import fixed_prompts  # noqa: E402
 
 from cagrpo_ray.metrics.provenance import report  # noqa: E402
 from cagrpo_ray.rollout.types import SamplingConfig  # noqa: E402
+
+MODES = ("whole", "eager", "chunked", "llm")
 
 
 def timed_calls(generate, repeats: int) -> tuple[list[float], list[int]]:
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--modes", default=",".join(MODES), help=f"some of {','.join(MODES)}")
     parser.add_argument("--out", type=Path, default=None, help="append the result to this file")
     args = parser.parse_args()
 
@@ -133,10 +137,14 @@ def main() -> None:
 
     model = args.model or resolve_policy("chain_sum")
     prompts = fixed_prompts(AutoTokenizer.from_pretrained(model), args.prompts)
-    rows = project_engine(model, prompts, args, chunked=False)
-    rows += project_engine(model, prompts, args, chunked=False, eager=True)
-    rows += project_engine(model, prompts, args, chunked=True)
-    rows += llm_engine(model, prompts, args)
+    modes = args.modes.split(",")
+    rows = project_engine(model, prompts, args, chunked=False) if "whole" in modes else []
+    if "eager" in modes:
+        rows += project_engine(model, prompts, args, chunked=False, eager=True)
+    if "chunked" in modes:
+        rows += project_engine(model, prompts, args, chunked=True)
+    if "llm" in modes:
+        rows += llm_engine(model, prompts, args)
     report(
         "Generation of one synchronous step, by engine mode",
         ["engine, prefill, seeds", "median s/call", "tokens/call", "tokens/s (median)",
@@ -145,7 +153,8 @@ def main() -> None:
         out=args.out,
         command=f".venv/bin/python benchmarks/bench_generation_modes.py --prompts {args.prompts} "
         f"--n {args.n} --max-tokens {args.max_tokens} --repeats {args.repeats}"
-        + (f" --model {args.model}" if args.model else ""),
+        + (f" --model {args.model}" if args.model else "")
+        + (f" --modes {args.modes}" if args.modes != ",".join(MODES) else ""),
     )  # fmt: skip
 
 

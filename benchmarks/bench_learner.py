@@ -141,7 +141,7 @@ def run_floor(steps: int, shape: Shape) -> dict:
     return result
 
 
-def run_learner(steps: int, shape: Shape) -> dict:
+def run_learner(steps: int, shape: Shape, threads: int) -> dict:
     """The learner of whichever checkout is first on sys.path (either API)."""
     from cagrpo_ray.policies.build import resolve_policy
 
@@ -156,7 +156,8 @@ def run_learner(steps: int, shape: Shape) -> dict:
         settings = LearnerSettings(path, zero_stage=2, lr=1e-5, micro_batch_size=shape.micro,
                                    max_response_length=longest, warmup_steps=5,
                                    gradient_checkpointing=shape.checkpointing,
-                                   logits_chunk_mib=shape.chunk_mib)  # fmt: skip
+                                   logits_chunk_mib=shape.chunk_mib,
+                                   num_threads=threads)  # fmt: skip
         learner = Learner(settings, LossSpec("cagrpo"), **rank)
     except ImportError:  # an older checkout: keyword arguments
         from cagrpo_ray.learner.learner import Learner
@@ -176,7 +177,7 @@ def child(args) -> None:
     if args.variant == "floor":
         result = run_floor(args.steps, shape)
     else:
-        result = run_learner(args.steps, shape)
+        result = run_learner(args.steps, shape, args.threads)
     print("RESULT " + json.dumps(result), flush=True)
 
 
