@@ -57,6 +57,10 @@ def overrides(out: Path) -> list[str]:
         "metrics.port=0",
         "metrics.inspect_port=null",
         "sync.timeout_s=60",
+        # vLLM eager: its engines start in ~18 s instead of ~40-90 s (compiling), twice each
+        # (bench_generation_modes); the compiled engines' weight sync on this model is what
+        # the 30-step run of docs/results/smollm2_run.md measured.
+        "rollout.enforce_eager=true",
     ]
 
 
