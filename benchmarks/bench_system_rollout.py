@@ -106,7 +106,7 @@ def main() -> None:
         out=args.out,
         command=f".venv/bin/python benchmarks/bench_system_rollout.py --prompts {args.prompts} "
         f"--n {args.n} --max-tokens {args.max_tokens} --chunk {args.chunk} "
-        f"--repeats {args.repeats}",
+        f"--repeats {args.repeats}" + (f" --model {args.model}" if args.model else ""),
     )
 
 
