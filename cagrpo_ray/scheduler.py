@@ -365,10 +365,15 @@ class Scheduler:
     def _pump(self, wait_on: list | None = None) -> None:
         """Dispatch work, then handle whatever finishes first (or `wait_on`'s refs)."""
         self._dispatch()
-        refs = self.pool.in_flight() + list(self.reward_refs)
-        refs += self._pending(wait_on or []) + self.coordinator.pending()
+        refs = self._waitable(wait_on)
         if not refs and wait_on:
             return  # what the caller waits for finished since it last looked
+        while not refs and self.pool.loading:
+            # A replica's weight load finished after the dispatch above held the work for it
+            # and before the refs were listed (so the sync is no longer pending): dispatch
+            # again, now that the pool sees the load is over.
+            self._dispatch()
+            refs = self._waitable(wait_on)
         if not refs:
             raise RuntimeError(
                 "nothing in flight and no batch buffered: the staleness bound admits no "
@@ -391,6 +396,11 @@ class Scheduler:
             self._on_scored(ref)
         elif not self.coordinator.pending():
             self.coordinator.finish()
+
+    def _waitable(self, wait_on: list | None) -> list:
+        """What `_pump` may wait for: generation, scoring, `wait_on` and the sync in flight."""
+        refs = self.pool.in_flight() + list(self.reward_refs)
+        return refs + self._pending(wait_on or []) + self.coordinator.pending()
 
     def _on_generated(self, ref) -> None:
         self._handle_finished(self.pool.finish(ref))

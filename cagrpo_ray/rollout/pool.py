@@ -100,6 +100,11 @@ class GeneratorPool:
         return sum(self._busy)
 
     @property
+    def loading(self) -> bool:
+        """Some replica had a weight load pending when the pool last looked."""
+        return bool(self._loading)
+
+    @property
     def needs_weights(self) -> frozenset[int]:
         """Replicas that must be resynced before they serve again."""
         return frozenset(self._stale)
