@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_trl import run_command  # noqa: E402
+
 from cagrpo_ray.metrics.provenance import report  # noqa: E402
 
 
@@ -52,11 +54,7 @@ def run_layout(config: str, generators: int, learners: int, args, workdir: Path)
         f"learner.num_learners={learners}",
         f"learner.micro_batch_size={micro * 2 // learners}",
     ]
-    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", config]
-    for item in sets:
-        command += ["--set", item]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)
+    command, env = run_command(config, sets)
     log = workdir / f"{generators}x{learners}.log"
     started = time.perf_counter()
     with log.open("w") as f:

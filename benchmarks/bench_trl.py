@@ -296,6 +296,16 @@ def run_trl(model_path: str, warmup: int, steps: int, workdir: Path, setup: Setu
 # ------------------------------------------------------------------------------ ours
 
 
+def run_command(config: str, sets: list[str]) -> tuple[list[str], dict]:
+    """`python -m cagrpo_ray.run --config CONFIG --set ...` and its environment (a local Ray
+    cluster of its own, token authentication off)."""
+    cmd = [sys.executable, "-m", "cagrpo_ray.run", "--config", config]
+    for item in sets:
+        cmd += ["--set", item]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return cmd, {**env, "RAY_AUTH_MODE": "disabled"}
+
+
 def run_ours(
     config: str, extra: list[str], warmup: int, steps: int, workdir: Path, log: Path, setup: Setup
 ) -> tuple[dict, str]:
@@ -315,10 +325,7 @@ def run_ours(
         f"rollout.temperature={setup.temperature}",
         *extra,
     ]
-    cmd = [sys.executable, "-m", "cagrpo_ray.run", "--config", config]
-    for s in sets:
-        cmd += ["--set", s]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    cmd, env = run_command(config, sets)
     with log.open("w") as f:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
     shown = " ".join(shlex.quote(c) for c in cmd[3:]).replace(f"--set run.output_dir={out} ", "")
