@@ -76,17 +76,18 @@ def command(run: Run, out: Path) -> list[str]:
     return argv
 
 
-def execute(run: Run, out: Path, commit: str, src: Path) -> None:
-    """Run one training (skipped when its summary exists) and record its provenance."""
+def execute(run: Run, out: Path, commit: str, src: Path, argv: list[str] | None = None) -> None:
+    """Run one training (skipped when its summary exists) and record its provenance; `argv`
+    replaces round 1's command (`command`) for the later rounds' configs."""
     run_dir = out / run.name
     if (run_dir / "summary.json").exists():
         print(f"[study] {run.name}: done already, skipped", flush=True)
         return
-    argv = command(run, out)
+    argv = argv or command(run, out)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(src.resolve())}
     print(f"[study] {run.name}: {shlex.join(argv)}", flush=True)
     started, t0 = utc_now(), time.monotonic()
-    with (out / f"{run.name}.log").open("w") as log:
+    with (out / f"{run.name}.log").open("a" if "--resume" in argv else "w") as log:
         rc = subprocess.run(argv, cwd=src, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     provenance = {
         "command": shlex.join(argv),

@@ -254,6 +254,30 @@ def test_reasoning_gym_source_spec():
 
 
 @pytest.mark.unit
+def test_a_source_spec_can_name_a_runs_held_out_split_and_cut_a_range_of_it():
+    from cagrpo_ray.data import ReasoningGymSource
+
+    config = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+    # what a run with data.train_size=300 and data.eval_size=24 holds out (Trainer._sources)
+    run_split = ReasoningGymSource(
+        "basic_arithmetic", config, 5, 24, "eval", exclude_sizes={"train": 300}
+    )
+    query = "&".join(f"{k}={v}" for k, v in config.items())
+    spec = f"reasoning_gym:basic_arithmetic?seed=5&size=40&exclude_train=300&{query}"
+    longer = list(load_prompt_source(spec).iter_from(0))
+    held_out = [item.question for item in run_split.iter_from(0)]
+    assert [item.question for item in longer[:24]] == held_out  # a prefix of the same split
+    train = {
+        item.question
+        for item in ReasoningGymSource("basic_arithmetic", config, 5, 300, "train").iter_from(0)
+    }
+    assert not train & {item.question for item in longer}
+    # without the exclusion the split differs (the small question space repeats questions)
+    plain = load_prompt_source(spec.replace("&exclude_train=300", ""))
+    assert [item.question for item in plain.iter_from(0)] != [item.question for item in longer]
+
+
+@pytest.mark.unit
 def test_file_source_spec_and_bad_specs(tmp_path):
     path = tmp_path / "math.jsonl"
     rows = [{"problem": "What is 1/2 + 1/2?", "answer": "1"}, {"problem": "2^3?", "answer": "8"}]

@@ -3,10 +3,13 @@
     python -m cagrpo_ray.eval --model <dir> --data <source> --samples <k> \\
         [--engine vllm|hf] [--out results.json]
 
-A source is `reasoning_gym:<dataset>?seed=<s>&size=<n>[&split=eval][&<config field>=<value>]`
-(other fields go to the dataset's config, e.g. `min_terms=2`; values are read as JSON when they
-parse, so `2` is a number and `true` a bool), or the path of a `.jsonl`/`.json`/`.parquet`
-file of problems and answers.
+A source is `reasoning_gym:<dataset>?seed=<s>&size=<n>[&split=eval][&exclude_train=<n>]
+[&<config field>=<value>]` (other fields go to the dataset's config, e.g. `min_terms=2`; values
+are read as JSON when they parse, so `2` is a number and `true` a bool), or the path of a
+`.jsonl`/`.json`/`.parquet` file of problems and answers. `exclude_train=<n>` drops the first
+n training prompts' questions from the eval split, as a run with `data.train_size=<n>` does for
+its held-out prompts: with the run's seed and config, the source is that run's held-out split
+(`--offset` and `--limit` then cut a range out of it, e.g. a test set after a validation set).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 from pathlib import Path
 from urllib.parse import parse_qsl
 
-SOURCE_KEYS = {"seed": int, "size": int, "split": str}
+SOURCE_KEYS = {"seed": int, "size": int, "split": str, "exclude_train": int}
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
@@ -33,7 +36,9 @@ def load_prompt_source(spec: str, question_column: str | None = None, answer_col
         options: dict = {"split": "eval"}
         config: dict = {}
         for key, value in parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query)):
-            if key in SOURCE_KEYS:
+            if key == "exclude_train":
+                options["exclude_sizes"] = {"train": int(value)}
+            elif key in SOURCE_KEYS:
                 options[key] = SOURCE_KEYS[key](value)
             else:
                 config[key] = _json_or_str(value)
@@ -74,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--engine", choices=("vllm", "hf"), default="vllm")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+    parser.add_argument("--offset", type=int, default=0, help="skip the source's first N prompts")
     parser.add_argument("--max-tokens", type=int, default=256, help="response tokens")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     model_path = resolve_policy(args.model)
     source = load_prompt_source(args.data, args.question_column, args.answer_column)
-    items = list(source.iter_from(0))[: args.limit]
+    items = list(source.iter_from(args.offset))[: args.limit]
     sampling = SamplingConfig(
         n=args.samples,
         temperature=args.temperature,

@@ -1,0 +1,132 @@
+"""The third evidence round's rules (experiments/study3_plan.py, study3.py): the probe's lr, the
+grid around it, each method's lr from training signals and the validation split only, and the
+pre-registered verdict on the test split."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import study3  # noqa: E402
+import study3_plan as plan  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+
+def records(entropy_first: float, entropy_last: float, steps: int = 20, **extra) -> list[dict]:
+    half = steps // 2
+    return [
+        {"step": i + 1, "entropy/mean": entropy_first if i < half else entropy_last,
+         "learner/grad_norm": 1.0, **extra}
+        for i in range(steps)
+    ]  # fmt: skip
+
+
+def test_entropy_ratio_is_last_ten_over_first_ten_and_needs_twenty_steps():
+    assert plan.entropy_ratio(records(0.8, 0.4)) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="needs 20"):
+        plan.entropy_ratio(records(0.8, 0.4, steps=19))
+
+
+def test_the_probe_takes_the_highest_stable_lr():
+    runs = {"1e-5": records(0.8, 0.7), "3e-5": records(0.8, 0.5), "1e-4": records(0.8, 2.0)}
+    best, why = plan.probe_lr(runs)
+    assert best == "3e-5"  # 1e-4's entropy ratio 2.5 is outside [0.5, 2]
+    assert "2.50" in why["1e-4"]
+    runs["3e-5"][-1]["learner/grad_norm"] = math.inf
+    assert plan.probe_lr(runs)[0] == "1e-5"
+    runs["1e-5"] = records(0.8, 0.3)
+    assert plan.probe_lr(runs)[0] is None
+
+
+def test_the_grid_is_three_lrs_a_factor_three_apart_around_the_probe():
+    assert plan.grid_lrs("3e-5") == ("1e-5", "3e-5", "1e-4")
+    assert plan.grid_lrs("1e-4") == ("3e-5", "1e-4", "3e-4")
+    assert plan.grid_lrs(None) == ("1e-6", "3e-6", "1e-5")  # none stable: below the probe
+    lrs = [float(x) for x in plan.grid_lrs("1e-5")]
+    assert all(2.5 < b / a < 3.5 for a, b in zip(lrs, lrs[1:], strict=False))
+
+
+def grid_run(start: float, curve: list[float], ratio: float = 1.0):
+    """(records, summary) of a 60-step run with validation at steps 20 and 40, then the end."""
+    recs = records(1.0, ratio, steps=60)
+    recs[19]["eval/pass@1"], recs[39]["eval/pass@1"] = curve[0], curve[1]
+    return recs, {"eval_before": {"pass@1": start}, "eval_after": {"pass@1": curve[2]}}
+
+
+def test_the_lr_rule_reads_the_last_two_validation_points_and_skips_broken_runs():
+    runs = {
+        "1e-5": grid_run(0.25, [0.25, 0.27, 0.29]),  # score 0.28
+        "3e-5": grid_run(0.25, [0.30, 0.31, 0.33]),  # score 0.32: chosen
+        "1e-4": grid_run(0.25, [0.40, 0.45, 0.50], ratio=3.5),  # best score, but broken
+    }
+    lr, why = plan.chosen_lr(runs)
+    assert lr == "3e-5" and "broken" in why["1e-4"]
+    # a run whose validation pass@1 falls more than 0.05 below the start at any point is broken
+    runs["3e-5"] = grid_run(0.25, [0.19, 0.31, 0.33])
+    assert plan.chosen_lr(runs)[0] == "1e-5"
+    # ties go to the lower lr; all broken: the lowest lr
+    runs["3e-5"] = grid_run(0.25, [0.25, 0.27, 0.29])
+    assert plan.chosen_lr(runs)[0] == "1e-5"
+    broken = {lr: grid_run(0.25, [0.1, 0.1, 0.1]) for lr in ("1e-5", "3e-5", "1e-4")}
+    assert plan.chosen_lr(broken)[0] == "1e-5"
+
+
+def test_run_settings_put_the_method_lr_and_seed_last():
+    run = plan.run("grid", "cagrpo", "3e-5", 2)
+    settings = run.settings()
+    assert settings["algorithm.policy_loss"] == "cagrpo"
+    assert settings["algorithm.lr"] == "3e-5" and settings["run.seed"] == "2"
+    assert settings["run.steps"] == "60" and settings["rollout.temperature"] == "0.7"
+    assert settings["data.eval_size"] == str(plan.VALIDATION_SIZE)
+
+
+def write_run(out: Path, run: plan.Run, recs: list[dict], summary: dict) -> None:
+    d = out / run.name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (d / "summary.json").write_text(json.dumps(summary))
+
+
+def test_the_plan_grows_as_runs_finish_and_the_verdict_follows_the_rule(tmp_path):
+    assert [r.group for r in study3.planned(tmp_path)] == ["probe"] * 3
+    for run, ratio in zip(plan.probe_runs(), (1.0, 1.0, 2.5), strict=True):
+        write_run(tmp_path, run, records(1.0, ratio), {"eval_before": {"pass@1": 0.25}})
+    made = study3.choices(tmp_path)
+    assert made["probe_lr"] == "3e-5" and made["grid_lrs"] == ("1e-5", "3e-5", "1e-4")
+    assert len(study3.planned(tmp_path)) == 3 + 6
+    for run in plan.grid_runs("3e-5"):
+        good = run.lr == "3e-5"
+        write_run(tmp_path, run, *grid_run(0.25, [0.3, 0.3, 0.35 if good else 0.3]))
+    made = study3.choices(tmp_path)
+    assert made["chosen_lr"] == {"grpo": "3e-5", "cagrpo": "3e-5"}
+    seeds = study3.planned(tmp_path)[9:]
+    assert [(r.method, r.seed) for r in seeds] == [("grpo", 2), ("grpo", 3), ("cagrpo", 2),
+                                                   ("cagrpo", 3)]  # fmt: skip
+    for run in seeds:
+        write_run(tmp_path, run, *grid_run(0.25, [0.3, 0.3, 0.3]))
+    # the test split: CA-GRPO ahead by 0.05, 0.04 and 0.02 -> mean 0.037 >= 0.03, all > 0
+    (tmp_path / "test").mkdir()
+    test = {"grpo": {1: 0.30, 2: 0.31, 3: 0.29}, "cagrpo": {1: 0.35, 2: 0.35, 3: 0.31}}
+    for run in [*plan.grid_runs("3e-5"), *seeds]:
+        if run.lr == "3e-5":
+            result = {"metrics": {"pass@1": test[run.method][run.seed]}}
+            (tmp_path / "test" / f"{run.name}-T0.7.json").write_text(json.dumps(result))
+    result = study3.verdict(tmp_path, study3.choices(tmp_path))
+    assert result["verdict"] == "supports the paper"
+    assert result["mean_d"] == pytest.approx((0.05 + 0.04 + 0.02) / 3)
+    low, high = result["bootstrap_95"]
+    assert 0.02 - 1e-9 <= low <= result["mean_d"] <= high <= 0.05 + 1e-9
+    # CA-GRPO's entropy tripling in two seeds contradicts the paper, whatever the accuracy
+    for run in seeds:
+        if run.method == "cagrpo":
+            (tmp_path / run.name / "metrics.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in grid_run(0.25, [0.3] * 3, ratio=2.5)[0])
+            )
+    assert study3.verdict(tmp_path, study3.choices(tmp_path))["verdict"] == "contradicts the paper"
+    study3.write_table(tmp_path, tmp_path / "runs.md")
+    table = (tmp_path / "runs.md").read_text()
+    assert "probe-grpo-lr3e-5-s1" in table and "contradicts the paper" in table
