@@ -10,8 +10,11 @@ bound 0); the one scheduler reproduced both bit for bit (commit 7e201f7), and so
 chunked-logits learner. The file was re-recorded when generation moved to vLLM's async engine
 with mixed per-prompt seeds, which changes the samples on purpose, and again when the
 generator pool began to hold work for a replica still loading weights (each replica's engine
-now batches half of a synchronous step's prompts: other batches, other floating-point sums);
-that file was recorded on an AVX512 machine (the file's `machine` and `recorded_by`).
+now batches half of a synchronous step's prompts: other batches, other floating-point sums),
+and again when the learner's output head began to run on response tokens only (its weight
+gradient sums over fewer positions: step 1 still matched bit for bit, step 2 differed in the
+4th digit of a 3e-7 log-prob mismatch mean); those files were recorded on an AVX512 machine
+(the file's `machine` and `recorded_by`).
 
 Bit equality needs the same floating-point kernels and the same starting policy: the golden
 file names the CPU, the torch build and the policy's sha256. On another machine (whose own

@@ -70,3 +70,37 @@ def test_chunk_size_follows_the_memory_budget():
     assert chunk_positions(vocab_size=151_936, budget_mib=1024) == 588
     assert chunk_positions(vocab_size=17, budget_mib=1024) > 5_000_000
     assert chunk_positions(vocab_size=10**9, budget_mib=1) == 1
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 10_000])
+def test_wanted_tokens_only_give_the_same_values_and_gradients(policy, chunk):
+    """With `wanted` (a learner's response tokens) the head runs only where they are predicted:
+    the values there and the gradients of any loss over them are the full computation's, and
+    every other column is 0; a micro-batch with nothing wanted still gives a graph."""
+    input_ids, attention = batch(seed=10 + chunk)
+    g = torch.Generator().manual_seed(chunk)
+    starts = torch.randint(1, 4, (input_ids.shape[0],), generator=g)  # prompts of 1-3 tokens
+    wanted = attention.bool() & (torch.arange(attention.shape[1]) >= starts[:, None])
+    scorer = TokenScorer(policy, 0.7)
+    scorer.chunk = chunk
+    logprobs, entropy = scorer(input_ids, attention, with_entropy=True, wanted=wanted)
+    want_logp, want_entropy = reference(policy, input_ids, attention, 0.7)
+    torch.testing.assert_close(logprobs[wanted].double(), want_logp[wanted], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[wanted].double(), want_entropy[wanted], rtol=1e-5, atol=1e-5)
+    assert torch.all(logprobs[~wanted] == 0) and torch.all(entropy[~wanted] == 0)
+
+    weights = torch.rand(logprobs.shape, generator=g)
+    policy.zero_grad()
+    ((logprobs + 0.1 * entropy) * weights * wanted).sum().backward()
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad()
+    ((want_logp + 0.1 * want_entropy) * weights.double() * wanted).sum().backward()
+    for name, param in policy.named_parameters():
+        scale = param.grad.abs().max().item()
+        torch.testing.assert_close(
+            got[name], param.grad, rtol=1e-3, atol=1e-5 * scale, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+    nothing = torch.zeros_like(wanted)
+    logprobs, _ = scorer(input_ids, attention, wanted=nothing)
+    assert logprobs.requires_grad and torch.all(logprobs == 0)

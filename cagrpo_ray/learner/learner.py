@@ -170,7 +170,7 @@ class Learner(PPOSteps):
 
     def _scores(self, model, batch, rows: torch.Tensor, with_entropy: bool):
         """[r, W] log-probs at the token (and entropies, or None) of the micro-batch `rows`,
-        W the batch's width; the columns past the rows' last real token are 0."""
+        W the batch's width; 0 outside the rows' response tokens."""
         attention_mask = batch["attention_mask"][rows]
         # Cut the padding columns that no row of this micro-batch uses.
         used = int(attention_mask.any(0).nonzero().max().item()) + 1
@@ -179,6 +179,7 @@ class Learner(PPOSteps):
             input_ids=batch["input_ids"][rows, :used],
             attention_mask=attention_mask[:, :used],
             with_entropy=with_entropy,
+            wanted=batch["response_mask"][rows, :used],  # the head on response tokens only
         )
         logprobs = F.pad(logprobs, (0, width - used))
         return logprobs, None if entropy is None else F.pad(entropy, (0, width - used))

@@ -14,6 +14,10 @@ softmax over chunks of positions; with gradient, each chunk is recomputed in the
 Values are "at the token": column t holds log p(input_ids[t] | input_ids[:t]); column 0 is 0.
 The head runs on every position of a chunk (the last column's value is dropped), so a batch
 that fits one chunk computes exactly what `model(...).logits` followed by a log-softmax would.
+With `wanted` (the tokens whose scores are used: a learner's response tokens), the head runs
+only on the positions that predict them, and every other column is 0: the prompt and the
+padding cost the decoder's work but not the head's, which on a 49k-entry vocabulary is most of
+a small model's (as TRL's `logits_to_keep` and verl's response-only logits do).
 """
 
 from __future__ import annotations
@@ -51,11 +55,16 @@ class TokenScorer(torch.nn.Module):
         self.chunk = chunk_positions(policy.config.vocab_size, budget_mib)
 
     def forward(
-        self, input_ids: Tensor, attention_mask: Tensor, with_entropy: bool = False
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        with_entropy: bool = False,
+        wanted: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
-        """input_ids, attention_mask: [b, w], right-padded. Returns ([b, w] float32 log-probs
-        at the token, [b, w] float32 entropies of the distribution each token was drawn from
-        or None); both 0 in column 0."""
+        """input_ids, attention_mask: [b, w], right-padded; wanted: [b, w] bool, the tokens
+        whose scores are computed (None: all). Returns ([b, w] float32 log-probs at the token,
+        [b, w] float32 entropies of the distribution each token was drawn from or None); both
+        0 in column 0 and at every token not wanted."""
         decoder = self.policy.get_decoder()
         if _right_padded(attention_mask):
             # Under causal attention a real token never sees the padding after it, so no mask
@@ -75,9 +84,14 @@ class TokenScorer(torch.nn.Module):
         flat = hidden.reshape(b * w, h)
         # position t predicts token t + 1; the last position's target is a placeholder
         targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
+        keep = None
+        if wanted is not None:  # the positions that predict a wanted token (at least one)
+            keep = F.pad(wanted[:, 1:], (0, 1)).reshape(-1).nonzero().squeeze(-1)
+            keep = keep if keep.numel() else keep.new_zeros(1)
+            flat, targets = flat[keep], targets[keep]
         track = torch.is_grad_enabled() and flat.requires_grad
         logprobs, entropies = [], []
-        for start in range(0, b * w, self.chunk):
+        for start in range(0, flat.shape[0], self.chunk):
             args = (flat[start : start + self.chunk], targets[start : start + self.chunk])
             if track:
                 lp, ent = checkpoint(self._chunk, *args, with_entropy, use_reentrant=False)
@@ -85,8 +99,13 @@ class TokenScorer(torch.nn.Module):
                 lp, ent = self._chunk(*args, with_entropy)
             logprobs.append(lp)
             entropies.append(ent)
-        logprobs = _at_the_token(torch.cat(logprobs), b, w)
-        entropy = _at_the_token(torch.cat(entropies), b, w) if with_entropy else None
+        logprobs = _at_the_token(_scattered(torch.cat(logprobs), keep, b * w), b, w)
+        entropy = None
+        if with_entropy:
+            entropy = _at_the_token(_scattered(torch.cat(entropies), keep, b * w), b, w)
+        if wanted is not None:  # position 0 stands in when nothing is wanted
+            logprobs = logprobs * wanted
+            entropy = None if entropy is None else entropy * wanted
         return logprobs, entropy
 
     def _chunk(self, hidden: Tensor, targets: Tensor, with_entropy: bool):
@@ -98,6 +117,13 @@ class TokenScorer(torch.nn.Module):
         if not with_entropy:
             return logprob, logprob.new_zeros(())
         return logprob, logz - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
+def _scattered(values: Tensor, keep: Tensor | None, n: int) -> Tensor:
+    """The values of positions `keep` in a length-n vector of zeros (`values` when all kept)."""
+    if keep is None:
+        return values
+    return values.new_zeros(n).index_copy(0, keep, values)
 
 
 def _at_the_token(values: Tensor, b: int, w: int) -> Tensor:
