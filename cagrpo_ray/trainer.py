@@ -22,6 +22,7 @@ import random
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -179,14 +180,23 @@ class Trainer:
             cfg.run.wait_warn_s,
             max_prompts_in_flight=cfg.rollout.max_prompts_in_flight,
         )
-        self._wait([g.ready.remote() for g in generators], "generator replicas to start")
-        self.learners = LearnerGroup(
-            cfg.learner.num_learners,
-            learner_settings(cfg, self.model_path),
-            cfg.algorithm.loss_spec(),
-            actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
-            log_dir=self.log_dir,
-        )
+        # The learner ranks start while the replicas load (each takes tens of seconds).
+        with ThreadPoolExecutor(1, thread_name_prefix="learner-start") as start:
+            learners = start.submit(
+                LearnerGroup,
+                cfg.learner.num_learners,
+                learner_settings(cfg, self.model_path),
+                cfg.algorithm.loss_spec(),
+                actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
+                log_dir=self.log_dir,
+            )
+            try:
+                self._wait([g.ready.remote() for g in generators], "generator replicas to start")
+            finally:  # a failed replica still leaves the started ranks to close()
+                failed = learners.exception()
+                self.learners = None if failed else learners.result()
+            if failed:
+                raise failed
         coordinator = WeightSyncCoordinator(
             self.learners,
             self.pool,

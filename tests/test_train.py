@@ -6,11 +6,13 @@ accuracy by a margin that a paired test over the held-out prompts justifies (wit
 checks that the system trains; whether CA-GRPO raises held-out accuracy at this scale is the
 evidence study's question, and on the built-in policy at 30 steps it does not), never train a
 sample staler than the bound nor a prompt twice, and leave the policy as a Hugging Face
-directory that the evaluation CLI loads. A second run resumes from the reference's checkpoint
-at step N/2 and has a generator replica killed mid-run: the replacement must serve the current
-policy version at the end; with bound 0 the resumed run must reproduce the reference's
-per-step metrics up to the kill (and train the same prompts after it), with bound 1
-(timing-dependent) its invariants must hold.
+directory that the evaluation CLI loads. A second run resumes from one of the reference's
+checkpoints and has a generator replica killed mid-run: the replacement must serve the
+current policy version at the end; with bound 0 the resumed run must reproduce the
+reference's per-step metrics from the checkpoint up to the kill (and train the same prompts
+after it), with bound 1 (timing-dependent) its invariants must hold. The engines run eager
+(`rollout.enforce_eager`: they start in half the time); the compiled engines of the default
+run are the golden schedule's and the short run's (tests/short_run.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ from cagrpo_ray.trainer import Trainer
 
 STEPS = 30
 PROMPTS = 16
-KILL_AT = STEPS // 2 + 8  # the resumed run loses a generator replica after this step
+# Per bound: the reference's checkpoint that the second run resumes from, the step that run
+# ends at, and the step after which it loses a generator replica (7 steps before its end, so
+# that the replacement is up and synced before the run ends).
+RESUME_AT = {0: 20, 1: 15}
+RESUMED_END = {0: STEPS, 1: 24}
+KILL_AT = {bound: end - 7 for bound, end in RESUMED_END.items()}
 # Metrics that depend only on the data, the seeds and the weights (not on timing).
 DETERMINISTIC = [
     "reward/mean",
@@ -53,16 +60,17 @@ DETERMINISTIC = [
 CONFIGS = {0: "configs/cpu-tiny.yaml", 1: "configs/async.yaml"}
 
 
-def overrides(tmp_path, name, staleness):
+def overrides(tmp_path, name, staleness, steps=STEPS):
     return [
         "model.path=chain_sum",  # the built-in preset: built once, then taken from the cache
         "algorithm.policy_loss=grpo",
         f"run.output_dir={tmp_path}",
         f"run.name={name}",
-        f"run.steps={STEPS}",
+        f"run.steps={steps}",
         f"run.max_staleness={staleness}",
-        f"run.checkpoint_every={STEPS // 2}",
+        f"run.checkpoint_every={RESUME_AT[staleness]}",
         "run.keep_checkpoints=4",
+        "rollout.enforce_eager=true",
         f"rollout.prompts_per_step={PROMPTS}",
         "rollout.group_size=8",
         "data.eval_size=200",
@@ -208,29 +216,31 @@ def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
 @pytest.mark.integration
 def test_resume_with_a_killed_generator(reference_run):
     staleness, tmp_path, _, reference_trainer = reference_run
-    halfway = f"step_{STEPS // 2:06d}"
+    start, end = RESUME_AT[staleness], RESUMED_END[staleness]
+    checkpoint = f"step_{start:06d}"
     resumed_dir = tmp_path / "resumed"
     shutil.copytree(
-        tmp_path / "reference" / "checkpoints" / halfway, resumed_dir / "checkpoints" / halfway
+        tmp_path / "reference" / "checkpoints" / checkpoint,
+        resumed_dir / "checkpoints" / checkpoint,
     )
-    (resumed_dir / "checkpoints" / "latest").write_text(halfway)
+    (resumed_dir / "checkpoints" / "latest").write_text(checkpoint)
     reference_lines = read_metrics(tmp_path / "reference" / "metrics.jsonl")
     (resumed_dir / "metrics.jsonl").write_text(
         (tmp_path / "reference" / "metrics.jsonl").read_text()
     )
 
-    config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness))
-    trainer = RecordingTrainer(config, resume=True, kill_replica_at=KILL_AT)
+    config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness, end))
+    trainer = RecordingTrainer(config, resume=True, kill_replica_at=KILL_AT[staleness])
     summary = trainer.run()
 
-    assert summary["final_step"] == STEPS
+    assert summary["final_step"] == end
     assert trainer.killed_at is not None and trainer.at_close["restarts"] >= 1
-    assert trainer.at_close["versions"] == [STEPS, STEPS]  # the replacement serves the policy
+    assert trainer.at_close["versions"] == [end, end]  # the replacement serves the policy
     resumed = records_of(tmp_path, "resumed")
-    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert sorted(resumed) == list(range(1, end + 1))
     assert all(r["staleness/max"] <= staleness for r in resumed.values())
     # no prompt trained twice, across the checkpoint either
-    first_half = reference_trainer.trained_prompts[: STEPS // 2 * PROMPTS]
+    first_half = reference_trainer.trained_prompts[: start * PROMPTS]
     assert len(set(trainer.trained_prompts)) == len(trainer.trained_prompts)
     assert not set(first_half) & set(trainer.trained_prompts)
     if staleness == 0:
@@ -243,13 +253,13 @@ def test_resume_with_a_killed_generator(reference_run):
         # drawn when the step was logged depends on whether a resync of the replacement replica
         # ran in that step.)
         reference = {r["step"]: r for r in reference_lines}
-        assert trainer.killed_at >= KILL_AT
-        for step in range(STEPS // 2 + 1, trainer.killed_at + 1):
+        assert trainer.killed_at >= KILL_AT[staleness]
+        for step in range(start + 1, trainer.killed_at + 1):
             for key in DETERMINISTIC:
                 assert resumed[step][key] == pytest.approx(
                     reference[step][key], rel=1e-4, abs=1e-6
                 ), f"step {step} {key}: resumed {resumed[step][key]} vs {reference[step][key]}"
-        second_half = reference_trainer.trained_prompts[STEPS // 2 * PROMPTS :]
+        second_half = reference_trainer.trained_prompts[start * PROMPTS :]
         assert sorted(trainer.trained_prompts) == sorted(second_half)
         assert resumed[STEPS]["data/cursor"] == reference[STEPS]["data/cursor"]
 

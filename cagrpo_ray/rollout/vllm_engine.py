@@ -47,7 +47,9 @@ class VLLMEngine:
     `engine_options` go to `vllm.AsyncEngineArgs` (e.g. `enforce_eager=True` starts about twice
     as fast on CPU and generates about 3 times slower; `gpu_memory_utilization` on GPUs).
     Tensor-parallel workers are local processes (`distributed_executor_backend="mp"`): the
-    replica's actor holds all of their GPUs (one placement-group bundle on one node).
+    replica's actor holds all of their GPUs (one placement-group bundle on one node). A replica
+    of one worker runs it inside the engine-core process ("uni"), which saves starting a third
+    process and importing vLLM and torch in it.
     """
 
     concurrent = True  # generate() may run from several threads at once
@@ -76,7 +78,7 @@ class VLLMEngine:
             tensor_parallel_size=tensor_parallel_size,
             # Inside a Ray placement group vLLM would otherwise pick its Ray executor, which
             # wants one bundle per GPU; the replica's actor already holds its GPUs.
-            distributed_executor_backend="mp",
+            distributed_executor_backend="mp" if tensor_parallel_size > 1 else "uni",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,
             disable_log_stats=True,
