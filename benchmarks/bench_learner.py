@@ -235,10 +235,9 @@ def main() -> None:
         variants[0] = (fused, shape, ROOT)
         half = dataclasses.replace(shape, micro=shape.rows // 2)
         variants.append((f"learner step, micro-batch {half.micro} (two passes)", half, ROOT))
-    if args.before:
-        half = dataclasses.replace(shape, micro=max(1, shape.micro // 2))
-        variants.append((f"learner step of {args.before.name}, micro-batch {half.micro}", half,
-                         args.before))  # fmt: skip
+    if args.before:  # the first variant's settings, on the other checkout's learner
+        variants.append((f"learner step of {args.before.name}, micro-batch {shape.micro}"
+                         f"{settings}", shape, args.before))  # fmt: skip
     for name, variant, tree in variants:
         rows.append([name, spawn("learner", args.steps, variant, args.threads, tree)["step"]])
     command = f".venv/bin/python benchmarks/bench_learner.py --steps {args.steps}"

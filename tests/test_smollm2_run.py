@@ -45,6 +45,7 @@ def overrides(out: Path) -> list[str]:
         f"run.steps={STEPS}",
         "run.checkpoint_every=1",
         "run.keep_checkpoints=4",
+        "rollout.num_generators=1",  # one replica started twice; two replicas: test_train
         "rollout.prompts_per_step=2",
         "rollout.group_size=4",
         "rollout.chunk_prompts=1",
@@ -57,9 +58,9 @@ def overrides(out: Path) -> list[str]:
         "metrics.port=0",
         "metrics.inspect_port=null",
         "sync.timeout_s=60",
-        # vLLM eager: its engines start in ~18 s instead of ~40-90 s (compiling), twice each
-        # (bench_generation_modes); the compiled engines' weight sync on this model is what
-        # the 30-step run of docs/results/smollm2_run.md measured.
+        # vLLM eager: its engine starts in ~18 s instead of ~40-90 s (compiling), twice
+        # (bench_generation_modes); the compiled engines' weight sync into two replicas of this
+        # model is what the 30-step run of docs/results/smollm2_run.md measured.
         "rollout.enforce_eager=true",
     ]
 
