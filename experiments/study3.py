@@ -149,9 +149,10 @@ def verdict(out: Path, made: dict) -> dict | None:
             r for r in plan.seed_runs(chosen) if r.method == method
         ]
         for r in runs:
-            if "T0.7" not in tests.get(r.name, {}) or finished(r, out) is None:
+            done = finished(r, out)
+            if "T0.7" not in tests.get(r.name, {}) or done is None:
                 return None
-            ratio = plan.entropy_ratio(finished(r, out)[0])
+            ratio = plan.entropy_ratio(done[0])
             by_seed[method][r.seed] = (tests[r.name]["T0.7"], ratio)
     seeds = sorted(by_seed["grpo"])
     d = [by_seed["cagrpo"][s][0] - by_seed["grpo"][s][0] for s in seeds]
