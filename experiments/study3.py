@@ -5,15 +5,25 @@ rebuilds its results table:
 
     .venv/bin/python experiments/study3.py --out runs/study3
 
-Stages: the mechanism of SmolLM2's kernel at T=0.7 and T=1 (`kernel_anatomy.py`, no training),
-the GRPO lr probe, the grid of both methods, the seeds at each method's chosen lr, then the
-test split on every final policy and the starting one. A finished run (its `summary.json`) is
+Stages: the mechanism of SmolLM2's kernel at T=0.7 and T=1 (`kernel_anatomy.py`, no training;
+the batches missing from `docs/results/evidence3/`, written there), the GRPO lr probe, the grid
+of both methods, the seeds at each method's chosen lr, then the test split on the starting
+policy. A finished run (its `summary.json`) is
 skipped; a stopped one resumes from its newest checkpoint (`--resume`; every run checkpoints
 every 10 steps), so `touch <out>/STOP` (the study ends after the current run) or a killed
 command loses at most 10 steps. Runs execute from a pinned snapshot of the package (as round 1,
 `study.py`), serialized by `flock`. The rules' choices go to `<out>/choices.json` once the runs
-they read have finished; the test split is read only once every training run has ended.
-`--aggregate-only` only rewrites the table, `docs/results/evidence3/runs.md`.
+they read have finished. `--aggregate-only` only rewrites the table,
+`docs/results/evidence3/runs.md`.
+
+The study outlives the machine it runs on through `docs/results/evidence3/runs/` (committed):
+each finished run's metrics, summary, provenance and config, its test-split results, and the
+pinned commit. A new run folder starts from that archive, so the plan carries on where the
+last machine stopped. A run's final policy (540 MB) does not travel, so each grid and seeds
+run is evaluated on the test split as soon as it finishes; no rule reads those results
+(`choices` reads only metrics and summaries) and the table shows them only once every planned
+run has finished. `--finish-by HH:MM` (UTC) starts a run only if it is expected to end, its
+test evaluation included, by then.
 """
 
 from __future__ import annotations
@@ -23,7 +33,10 @@ import json
 import os
 import random
 import shlex
+import shutil
+import statistics
 import subprocess
+from datetime import UTC, datetime
 from pathlib import Path
 
 import study3_plan as plan
@@ -35,6 +48,73 @@ from cagrpo_ray.metrics.jsonl import read_metrics
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = str(REPO / ".venv/bin/python")
 TEST_SETTINGS = {"T0.7": ("0.7", "4"), "T0": ("0", "1")}  # temperature, samples a prompt
+EVIDENCE = REPO / "docs/results/evidence3"  # the anatomy's results, committed
+ARCHIVE = EVIDENCE / "runs"  # what outlives a machine of the training runs, committed
+KEPT = ("metrics.jsonl", "summary.json", "provenance.json", "config.json")
+# Estimates for --finish-by before any run has finished here: seconds a step (start-up and
+# evaluations included) and seconds of one run's test evaluation (1,024 + 256 completions).
+STEP_S, TEST_S = 90.0, 900.0
+
+
+def restore(out: Path, archive: Path = ARCHIVE) -> int:
+    """Copy the archive's finished runs, test results and pinned commit into `out` where it
+    lacks them; the number of runs brought in."""
+    brought = 0
+    for saved in sorted(archive.glob("*/summary.json")):
+        target = out / saved.parent.name
+        if (target / "summary.json").exists():
+            continue
+        target.mkdir(parents=True, exist_ok=True)
+        for name in KEPT:
+            if (saved.parent / name).exists():
+                shutil.copy2(saved.parent / name, target / name)
+        brought += 1
+    for result in sorted(archive.glob("test/*.json")):
+        if not (out / "test" / result.name).exists():
+            (out / "test").mkdir(parents=True, exist_ok=True)
+            shutil.copy2(result, out / "test" / result.name)
+    if (archive / "SOURCE_COMMIT").exists() and not (out / "SOURCE_COMMIT").exists():
+        shutil.copy2(archive / "SOURCE_COMMIT", out / "SOURCE_COMMIT")
+    return brought
+
+
+def keep(out: Path, name: str, archive: Path = ARCHIVE) -> None:
+    """Put what outlives the machine of run `name` (or test result `test/<name>`) and the
+    pinned commit into the archive."""
+    archive.mkdir(parents=True, exist_ok=True)
+    if (out / "SOURCE_COMMIT").exists():
+        shutil.copy2(out / "SOURCE_COMMIT", archive / "SOURCE_COMMIT")
+    source = out / name
+    if source.is_file():
+        (archive / source.parent.name).mkdir(exist_ok=True)
+        shutil.copy2(source, archive / source.parent.name / source.name)
+        return
+    (archive / name).mkdir(exist_ok=True)
+    for kept in KEPT:
+        if (source / kept).exists():
+            shutil.copy2(source / kept, archive / name / kept)
+
+
+def expected_s(run: plan.Run, out: Path) -> float:
+    """A run's expected wall time: its steps at the median seconds a step of the runs that
+    finished here (their provenance), plus its test evaluation for a grid or seeds run."""
+    rates = []
+    for path in out.glob("*/provenance.json"):
+        provenance = json.loads(path.read_text())
+        steps = int(provenance.get("overrides", {}).get("run.steps", 0))
+        if provenance.get("returncode") == 0 and steps:
+            rates.append(provenance["wall_s"] / steps)
+    step_s = statistics.median(rates) if rates else STEP_S
+    return int(run.settings()["run.steps"]) * step_s + (TEST_S if run.group != "probe" else 0)
+
+
+def seconds_until(clock: str, now: datetime | None = None) -> float:
+    """Seconds from `now` (UTC) until the nearest HH:MM UTC (negative once it has passed; a
+    clock more than 12 hours back is tomorrow's)."""
+    now = now or datetime.now(UTC)
+    hour, minute = (int(part) for part in clock.split(":"))
+    left = (now.replace(hour=hour, minute=minute, second=0, microsecond=0) - now).total_seconds()
+    return left + 86400 if left < -43200 else left
 
 
 def finished(run: plan.Run, out: Path) -> tuple[list[dict], dict] | None:
@@ -85,12 +165,24 @@ def _locked(*argv: str) -> list[str]:
     return ["flock", LOCK, *argv]
 
 
-def anatomy_command(out: Path, temperature: str) -> list[str]:
+def anatomy_missing(evidence: Path = EVIDENCE) -> list[tuple[str, str]]:
+    """The (temperature, seed) batches of SmolLM2's anatomy not on the page's folder yet: a
+    temperature's file holds both seeds (`anatomy-smollm2-T0.7.json`), a seed's file one."""
+    return [
+        (t, seed)
+        for t in ("0.7", "1")
+        for seed in ("0", "1")
+        if not (evidence / f"anatomy-smollm2-T{t}.json").exists()
+        and not (evidence / f"anatomy-smollm2-T{t}-seed{seed}.json").exists()
+    ]
+
+
+def anatomy_command(temperature: str, seed: str, evidence: Path = EVIDENCE) -> list[str]:
     return _locked(
         PYTHON, str(REPO / "experiments/kernel_anatomy.py"), "--config", plan.CONFIG,
-        "--temperature", temperature, "--prompts", "8", "--seeds", "0", "1",
+        "--temperature", temperature, "--prompts", "8", "--seeds", seed,
         "--chunk-rows", "16", "--no-step",
-        "--out", str((out / f"anatomy-smollm2-T{temperature}.json").resolve()),
+        "--out", str((evidence / f"anatomy-smollm2-T{temperature}-seed{seed}.json").resolve()),
     )  # fmt: skip
 
 
@@ -117,6 +209,17 @@ def test_command(model: str, result: Path, key: str) -> list[str]:
         "--weights", json.dumps(config.reward.weights),
         "--instruction", config.data.instruction, "--seed", "0", "--out", str(result),
     )  # fmt: skip
+
+
+def test_policy(name: str, model: str, out: Path, src: Path, archive: Path = ARCHIVE) -> None:
+    """The test split on one policy, at each setting it lacks, each result kept."""
+    (out / "test").mkdir(exist_ok=True)
+    for key in TEST_SETTINGS:
+        result = out / "test" / f"{name}-{key}.json"
+        if not result.exists():
+            run_logged(test_command(model, result, key), out / "test" / f"{name}-{key}.log", src)
+            if result.exists():
+                keep(out, f"test/{result.name}", archive)
 
 
 def run_logged(argv: list[str], log: Path, src: Path) -> int:
@@ -170,8 +273,14 @@ def verdict(out: Path, made: dict) -> dict | None:
             "cagrpo_entropy_ratios": ratios, "verdict": call}  # fmt: skip
 
 
+def all_finished(out: Path, made: dict) -> bool:
+    """Whether the plan is complete: the seeds are planned and every planned run finished."""
+    return "chosen_lr" in made and all(finished(r, out) for r in planned(out))
+
+
 def write_table(out: Path, page: Path) -> None:
-    """The runs so far, the rules' choices and (once read) the test split and the verdict."""
+    """The runs so far, the rules' choices and, once every run has finished, the test split
+    and the verdict."""
     made = choices(out)
     lines = ["# Evidence, round 3: the runs (written by experiments/study3.py)", ""]
     lines += ["| run | steps | entropy ratio | validation pass@1 T=0.7 (start -> evals) |"]
@@ -189,7 +298,7 @@ def write_table(out: Path, page: Path) -> None:
             f"{start:.3f} -> {curve} |"
         )
     lines += ["", "Choices: `" + json.dumps(made) + "`", ""]
-    tests = test_results(out)
+    tests = test_results(out) if all_finished(out, made) else {}
     if tests:
         lines += ["| policy | test pass@1 T=0.7 | test pass@1 greedy |", "|---|---|---|"]
         for name, values in tests.items():
@@ -209,21 +318,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=Path, default=REPO / "docs/results/evidence3/runs.md")
     parser.add_argument("--aggregate-only", action="store_true", help="Only rewrite the table.")
     parser.add_argument("--dry-run", action="store_true", help="Print the commands, run nothing.")
+    parser.add_argument("--finish-by", metavar="HH:MM", help="Start no run expected to end later.")
+    parser.add_argument("--archive", type=Path, default=ARCHIVE, help="What outlives a machine.")
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    print(f"[study3] {restore(out, args.archive)} finished runs restored from {args.archive}")
     if args.aggregate_only:
         write_table(out, args.page)
         return 0
     commit, src = pinned_source(out)
     stop = out / "STOP"
-    for temperature in ("0.7", "1"):
-        if not (out / f"anatomy-smollm2-T{temperature}.json").exists() and not stop.exists():
-            argv = anatomy_command(out, temperature)
+    for temperature, seed in anatomy_missing():
+        if not stop.exists():
+            argv = anatomy_command(temperature, seed)
             if args.dry_run:
                 print(shlex.join(argv))
             else:
-                run_logged(argv, out / f"anatomy-T{temperature}.log", src)
+                run_logged(argv, out / f"anatomy-T{temperature}-seed{seed}.log", src)
     while not stop.exists():
         todo = [r for r in planned(out) if finished(r, out) is None]
         if args.dry_run:
@@ -232,24 +344,29 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if not todo:
             break
-        execute(todo[0], out, commit, src, argv=train_command(todo[0], out))
-        write_table(out, args.page)
-        if finished(todo[0], out) is None:  # it failed, or a signal stopped it
-            print(f"[study3] {todo[0].name} did not finish; rerun to resume it", flush=True)
+        run = todo[0]
+        if args.finish_by and expected_s(run, out) > seconds_until(args.finish_by):
+            print(f"[study3] {run.name} (~{expected_s(run, out) / 60:.0f} min) would not end "
+                  f"by {args.finish_by} UTC: not started", flush=True)  # fmt: skip
+            return 0
+        execute(run, out, commit, src, argv=train_command(run, out))
+        if finished(run, out) is None:  # it failed, or a signal stopped it
+            write_table(out, args.page)
+            print(f"[study3] {run.name} did not finish; rerun to resume it", flush=True)
             return 1
+        keep(out, run.name, args.archive)
+        if run.group != "probe":  # its policy does not outlive this machine: test it now
+            test_policy(run.name, str(out / run.name / "policy"), out, src, args.archive)
+        write_table(out, args.page)
     if stop.exists():
         print(f"[study3] {stop} exists: no more runs started", flush=True)
         return 0
-    # Every training run has ended: now, and only now, the test split.
-    (out / "test").mkdir(exist_ok=True)
-    policies = {"start": "smollm2-135m-instruct"}
-    policies.update({r.name: str(out / r.name / "policy") for r in planned(out)})
-    for name, model in policies.items():
-        for key in TEST_SETTINGS:
-            result = out / "test" / f"{name}-{key}.json"
-            if not result.exists() and not stop.exists():
-                log = out / "test" / f"{name}-{key}.log"
-                run_logged(test_command(model, result, key), log, src)
+    # Every training run has ended: the starting policy on the test split, and any run whose
+    # test evaluation is missing while its policy is still here.
+    test_policy("start", "smollm2-135m-instruct", out, src, args.archive)
+    for r in planned(out):
+        if r.group != "probe" and (out / r.name / "policy").exists():
+            test_policy(r.name, str(out / r.name / "policy"), out, src, args.archive)
     write_table(out, args.page)
     return 0
 

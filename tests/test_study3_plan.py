@@ -130,3 +130,63 @@ def test_the_plan_grows_as_runs_finish_and_the_verdict_follows_the_rule(tmp_path
     study3.write_table(tmp_path, tmp_path / "runs.md")
     table = (tmp_path / "runs.md").read_text()
     assert "probe-grpo-lr3e-5-s1" in table and "contradicts the paper" in table
+
+
+def test_finished_runs_and_test_results_outlive_the_run_folder(tmp_path):
+    out, archive, fresh = tmp_path / "out", tmp_path / "archive", tmp_path / "fresh"
+    run = plan.probe_runs()[0]
+    write_run(out, run, records(1.0, 1.0), {"eval_before": {"pass@1": 0.25}})
+    (out / run.name / "policy").mkdir()  # too large to keep: stays behind
+    (out / "SOURCE_COMMIT").write_text("abc\n")
+    (out / "test").mkdir()
+    (out / "test" / "start-T0.json").write_text(json.dumps({"metrics": {"pass@1": 0.2}}))
+    study3.keep(out, run.name, archive)
+    study3.keep(out, "test/start-T0.json", archive)
+    assert sorted(p.name for p in (archive / run.name).iterdir()) == [
+        "metrics.jsonl", "summary.json"]  # fmt: skip
+    fresh.mkdir()
+    assert study3.restore(fresh, archive) == 1
+    assert study3.finished(run, fresh) == study3.finished(run, out)
+    assert (fresh / "SOURCE_COMMIT").read_text() == "abc\n"
+    assert study3.test_results(fresh) == {"start": {"T0": 0.2}}
+    assert study3.restore(fresh, archive) == 0  # what is there already is left alone
+
+
+def test_the_table_shows_the_test_split_only_once_every_run_has_finished(tmp_path):
+    for run in plan.probe_runs():
+        write_run(tmp_path, run, records(1.0, 1.0), {"eval_before": {"pass@1": 0.25}})
+    grid = plan.grid_runs(plan.PROBE_LRS[-1])
+    write_run(tmp_path, grid[0], *grid_run(0.25, [0.3, 0.3, 0.3]))
+    (tmp_path / "test").mkdir()
+    result = {"metrics": {"pass@1": 0.375}}
+    (tmp_path / "test" / f"{grid[0].name}-T0.7.json").write_text(json.dumps(result))
+    study3.write_table(tmp_path, tmp_path / "runs.md")
+    table = (tmp_path / "runs.md").read_text()
+    assert "not finished" in table and "0.375" not in table and "Verdict" not in table
+
+
+def test_a_run_starts_only_if_it_is_expected_to_end_in_time(tmp_path):
+    from datetime import UTC, datetime
+
+    probe, grid = plan.probe_runs()[0], plan.grid_runs("3e-5")[0]
+    # no run has finished here: the defaults, and the test evaluation only after grid runs
+    assert study3.expected_s(probe, tmp_path) == 20 * study3.STEP_S
+    assert study3.expected_s(grid, tmp_path) == 60 * study3.STEP_S + study3.TEST_S
+    (tmp_path / probe.name).mkdir()
+    provenance = {"overrides": probe.settings(), "wall_s": 1200.0, "returncode": 0}
+    (tmp_path / probe.name / "provenance.json").write_text(json.dumps(provenance))
+    assert study3.expected_s(grid, tmp_path) == 60 * 60.0 + study3.TEST_S
+    now = datetime(2026, 12, 1, 20, 30, 15, tzinfo=UTC)
+    assert study3.seconds_until("21:00", now) == 29 * 60 + 45
+    assert study3.seconds_until("20:00", now) < 0
+    assert study3.seconds_until("01:00", now) == (4 * 60 + 29) * 60 + 45  # after midnight
+
+
+def test_the_anatomy_runs_only_the_batches_not_measured_yet(tmp_path):
+    assert len(study3.anatomy_missing(tmp_path)) == 4
+    (tmp_path / "anatomy-smollm2-T0.7.json").write_text("{}")  # both seeds in one file
+    (tmp_path / "anatomy-smollm2-T1-seed0.json").write_text("{}")
+    assert study3.anatomy_missing(tmp_path) == [("1", "1")]
+    argv = study3.anatomy_command("1", "1", tmp_path)
+    assert argv[argv.index("--seeds") + 1 :][:2] == ["1", "--chunk-rows"]
+    assert argv[-1].endswith("anatomy-smollm2-T1-seed1.json")
