@@ -40,8 +40,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -53,6 +51,7 @@ from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
+from cagrpo_ray.rollout.requeue import PromptChunk, Requeue
 from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
 from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
@@ -94,14 +93,6 @@ def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> fl
     return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
 
 
-@dataclass(frozen=True)
-class PromptChunk:
-    """The label of a chunk in flight: which training prompts, as which groups."""
-
-    indices: tuple[int, ...]  # into the training source
-    group_ids: tuple[int, ...]  # one per prompt, in start order
-
-
 class Scheduler:
     """The training loop of one run: `step()` is one learner step; state is checkpointable.
 
@@ -134,7 +125,7 @@ class Scheduler:
         self.step = 0
         self.policy_version = 0
         self.cursor = 0  # index of the next new training prompt
-        self.requeue: deque[int] = deque()  # prompt indices to generate before new ones
+        self.requeue = Requeue()  # lost chunks, generated again before new prompts
         self.next_group_id = 0
         self.reward_refs: dict = {}  # ObjectRef -> (PromptChunk, completions per prompt)
         self.learn_refs: list = []
@@ -157,13 +148,13 @@ class Scheduler:
     def state(self) -> dict:
         """What a checkpoint needs to continue; prompts started but not yet buffered go
         first after a resume."""
-        pending = [i for tag in self.pool.in_flight_tags() for i in tag.indices]
-        pending += [i for chunk, _ in self.reward_refs.values() for i in chunk.indices]
+        pending = list(self.pool.in_flight_tags())
+        pending += [chunk for chunk, _ in self.reward_refs.values()]
         return {
             "step": self.step,
             "cursor": self.cursor,
             "policy_version": self.policy_version,
-            "requeue": list(self.requeue) + pending,
+            "requeue": self.requeue.state(pending),
             "next_group_id": self.next_group_id,
             "kappa_controller": self.kappa_controller and self.kappa_controller.state(),
         }
@@ -171,10 +162,8 @@ class Scheduler:
     def restore(self, state: dict) -> None:
         self.step, self.cursor = state["step"], state["cursor"]
         self.policy_version = state["policy_version"]
-        self.requeue = deque(state.get("requeue", []))
-        self.next_group_id = state.get(
-            "next_group_id", self.step * self.config.rollout.prompts_per_step
-        )
+        next_id = state.get("next_group_id", self.step * self.config.rollout.prompts_per_step)
+        self.requeue, self.next_group_id = Requeue.from_state(state.get("requeue", []), next_id)
         if self.kappa_controller is not None and state.get("kappa_controller"):
             self.kappa_controller = KappaController.from_state(state["kappa_controller"])
 
@@ -329,9 +318,13 @@ class Scheduler:
     def _submit(self, replica: int, count: int) -> None:
         """Start the next `count` prompt groups on `replica`."""
         cfg = self.config
-        indices = tuple(self._next_index() for _ in range(count))
-        group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
-        self.next_group_id += count
+        if self.requeue:  # a lost chunk first, under its own group ids: its own seeds
+            chunk = self.requeue.take(count)
+            indices, group_ids = chunk.indices, chunk.group_ids
+        else:
+            indices = tuple(self._next_index() for _ in range(count))
+            group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
+            self.next_group_id += count
         prompts = [
             format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
             for i in indices
@@ -354,8 +347,6 @@ class Scheduler:
         )
 
     def _next_index(self) -> int:
-        if self.requeue:
-            return self.requeue.popleft()
         if self.cursor >= len(self.train_source):
             self.cursor = 0  # a new epoch over the same prompts, in the same order
         index = self.cursor
@@ -409,7 +400,7 @@ class Scheduler:
         """A chunk came back: score it, or requeue its prompts if its replica was lost."""
         chunk: PromptChunk = finished.chunk.tag
         if finished.lost:
-            self.requeue.extendleft(reversed(chunk.indices))
+            self.requeue.push(chunk)
             return
         items = [self.train_source[i] for i in chunk.indices]
         groups = finished.groups

@@ -87,6 +87,7 @@ class RecordingTrainer(Trainer):
     def __init__(self, config, resume=False, kill_replica_at: int | None = None):
         super().__init__(config, resume)
         self.trained_prompts: list[str] = []
+        self.trained_groups: list[int] = []
         self.at_close: dict = {}
         self.killed_at: int | None = None
         self._kill_at = kill_replica_at
@@ -99,8 +100,9 @@ class RecordingTrainer(Trainer):
         def recording_take(*args, **kwargs):
             table = take(*args, **kwargs)
             if table is not None:  # in the order the learner sees it: by group id
-                prompts = table.sort_by("group_id").column("prompt_uid").to_pylist()
-                self.trained_prompts += prompts[::group_size]
+                table = table.sort_by("group_id")
+                self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
+                self.trained_groups += table.column("group_id").to_pylist()[::group_size]
             return table
 
         buffer.take = recording_take
@@ -245,13 +247,13 @@ def test_resume_with_a_killed_generator(reference_run):
     assert not set(first_half) & set(trainer.trained_prompts)
     if staleness == 0:
         # Until the kill, the resumed run reproduces the reference step for step. After it, the
-        # killed replica's prompts are requeued and generated again on the other replica under
-        # new group ids, so with other per-group seeds (and every later group's seed shifts
-        # with them) and in another batch, so the runs' samples differ from there on. What stays
-        # exact is which prompts are trained: the same ones, none lost, none added. (The cursor
-        # logged at a step after the kill is not compared: whether the next batch was already
-        # drawn when the step was logged depends on whether a resync of the replacement replica
-        # ran in that step.)
+        # killed replica's chunk is generated again on the other replica under its own group
+        # ids, so with its own seeds: every step trains the reference's groups, prompts and
+        # seeds, none lost, none added. (The samples may still differ in their last bits, as
+        # another replica's batch holds them, so the metrics after the kill are not compared;
+        # nor is the cursor logged at a step after the kill: whether the next batch was
+        # already drawn when the step was logged depends on whether a resync of the
+        # replacement replica ran in that step.)
         reference = {r["step"]: r for r in reference_lines}
         assert trainer.killed_at >= KILL_AT[staleness]
         for step in range(start + 1, trainer.killed_at + 1):
@@ -260,7 +262,8 @@ def test_resume_with_a_killed_generator(reference_run):
                     reference[step][key], rel=1e-4, abs=1e-6
                 ), f"step {step} {key}: resumed {resumed[step][key]} vs {reference[step][key]}"
         second_half = reference_trainer.trained_prompts[start * PROMPTS :]
-        assert sorted(trainer.trained_prompts) == sorted(second_half)
+        assert trainer.trained_prompts == second_half
+        assert trainer.trained_groups == reference_trainer.trained_groups[start * PROMPTS :]
         assert resumed[STEPS]["data/cursor"] == reference[STEPS]["data/cursor"]
 
 
