@@ -18,6 +18,8 @@ from pathlib import Path
 
 from cagrpo_ray.config import ConfigError, add_config_args, load_config, to_yaml
 
+PROCESS_GROUP_CLEANUP = "RAY_process_group_cleanup_enabled"
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cagrpo_ray.run", description=__doc__)
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     if address:
         ray.init(address=address)
     else:
+        # Each Ray worker in a process group of its own, ended by the raylet when the worker
+        # exits: a replica that dies takes its vLLM engine's processes with it
+        # (tests/test_replica_exit.py). A cluster started elsewhere sets it itself (k8s/).
+        os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
         # Logical CPUs only schedule actors; a 2-core machine hosts the whole pipeline.
         num_cpus = config.run.ray_num_cpus or max(
             os.cpu_count() or 1, math.ceil(required_cpus(config))

@@ -53,6 +53,7 @@ def ray_head(tmp_path_factory):
         PATH=f"{BIN}:{os.environ['PATH']}",
         RAY_JOB_STOP_WAIT_TIME_S="120",
         RAY_AUTH_MODE="disabled",
+        RAY_process_group_cleanup_enabled="1",  # as the KubeRay manifests start theirs
     )
     env.pop("RAY_ADDRESS", None)
     dashboard = free_port()

@@ -12,7 +12,8 @@ to a replica while its load is pending, so every completion's `policy_version` i
 it was sampled with, and no request is ever cut in half.
 
 A replica whose engine died (its core process, a worker, or a reload that left the model
-half-loaded) exits its process, so that Ray restarts it instead of it answering with errors.
+half-loaded) ends the engine's remaining processes and exits, so that Ray restarts it instead
+of it answering with errors.
 """
 
 from __future__ import annotations
@@ -121,8 +122,31 @@ def _chain(exc: BaseException | None):
 
 def _exit_for_restart(replica: int, why: str) -> None:
     log.error("generator replica %d exits so that Ray restarts it: %s", replica, why)
+    end_children()
     logging.shutdown()
     os._exit(1)
+
+
+def end_children(grace_s: float = 5.0) -> None:
+    """End every process this one started (vLLM's engine core and its workers), and wait for
+    them, so that the restarted replica finds their memory free: SIGTERM, then SIGKILL after
+    `grace_s`. (A replica killed from outside cannot do this; its process group, which the
+    raylet ends with `RAY_process_group_cleanup_enabled`, covers that case.)"""
+    import psutil  # a vLLM dependency
+
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        try:
+            child.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 GeneratorActor = ray.remote(
