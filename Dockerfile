@@ -57,6 +57,15 @@ COPY pyproject.toml README.md ./
 COPY cagrpo_ray ./cagrpo_ray
 # vLLM pins its CUDA torch; torch, NCCL and the CUDA runtime come as wheels.
 RUN uv pip install ".[gpu]"
+# FlashInfer's precompiled kernels, into the venv that the final stage copies. vLLM 0.33.0
+# requires flashinfer-python 0.7.2.post1 but not its kernel wheels. Without them, the final
+# stage (no nvcc) would have vLLM switch FlashInfer off; with nvcc, FlashInfer would compile
+# its kernels and fetch cubins from NVIDIA's artifactory in every pod, at first use. For torch's
+# CUDA 13.0, `vllm download-kernels` installs flashinfer-cubin and flashinfer-jit-cache
+# (+cu130, every GPU architecture) from https://flashinfer.ai/whl: the build needs that index,
+# the pods need no network for kernels. It fails the build if either wheel does not install.
+# What was read, and an offline cluster's needs: docs/gpu.md, "Offline clusters".
+RUN vllm download-kernels
 # DeepSpeed ops: the learner uses torch.optim.AdamW, bf16 and ZeRO stages 0-3 without
 # offload, which run on plain torch and NCCL, so no DeepSpeed C++/CUDA op is needed and none is
 # pre-built (DS_BUILD_OPS=0). DeepSpeed is rebuilt here against the installed CUDA torch (no

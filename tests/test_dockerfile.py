@@ -1,8 +1,9 @@
 """The Dockerfile, read without a Docker engine (none runs here): what it copies exists and is
 not excluded by .dockerignore, the extras it installs are defined, the stages it refers to
 exist, the base images are pinned, each final stage runs as a non-root user without a
-CUDA toolkit or general build tools, and the GPU stages match the CUDA of the torch that the
-pinned vLLM requires. Whether the images build and run is not checked here."""
+CUDA toolkit or general build tools, the GPU stages match the CUDA of the torch that the
+pinned vLLM requires, and the GPU build installs FlashInfer's precompiled kernels. Whether the
+images build and run is not checked here."""
 
 import fnmatch
 import re
@@ -35,6 +36,15 @@ WHEEL_METADATA_VERSION = (2, 4)
 FIRST_UV_READING_METADATA_2_4 = (0, 1, 17)
 # The driver floor of CUDA 13.x: ">= 580" in NVIDIA's CUDA minor-version compatibility table.
 DRIVER_FLOOR = 580
+# FlashInfer's kernels, read in the vllm 0.33.0 and flashinfer-python 0.7.2.post1 wheels (the
+# latter is vllm's `Requires-Dist: flashinfer-python==0.7.2.post1`): `vllm download-kernels`
+# (vllm/entrypoints/cli/download_kernels.py) runs `python -m flashinfer download-kernels`, which
+# installs flashinfer-cubin and flashinfer-jit-cache, when torch's CUDA is at least 12.9
+# (vllm/utils/flashinfer.py, has_flashinfer_jit_cache_wheels), else flashinfer-cubin only.
+# FlashInfer publishes jit-cache wheels for CUDA 12.9, 13.0 and 13.4 (flashinfer/__main__.py,
+# _SUPPORTED_JIT_CACHE_CUDA_VERSIONS) and takes the newest one not above torch's, of its major.
+FIRST_CUDA_WITH_JIT_CACHE_WHEELS = (12, 9)
+JIT_CACHE_CUDAS = {(12, 9), (13, 0), (13, 4)}
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -253,6 +263,26 @@ def test_deepspeed_ops_target_archs_that_torch_has_kernels_for_with_bf16(dockerf
     # DeepSpeed builds an op without bf16 when any target is 7.x; CUDA 13 dropped below 7.5.
     assert all(version_tuple(arch)[0] >= 8 for arch in archs), archs
     assert {"8.0", "9.0"} <= set(archs)
+
+
+def test_the_gpu_build_installs_flashinfers_precompiled_kernels_into_the_copied_venv(dockerfile):
+    """The final stage has no nvcc: without the kernel wheels vLLM would switch FlashInfer off,
+    and a pod would otherwise compile kernels and fetch cubins at start (docs/gpu.md)."""
+    assert TORCH_CUDA >= FIRST_CUDA_WITH_JIT_CACHE_WHEELS, "only flashinfer-cubin would install"
+    matching = [cuda for cuda in JIT_CACHE_CUDAS if cuda[0] == TORCH_CUDA[0] and cuda <= TORCH_CUDA]
+    assert matching, f"FlashInfer has no flashinfer-jit-cache wheel for CUDA {TORCH_CUDA}"
+    assert max(matching) == TORCH_CUDA, "the Dockerfile's comment names the +cu130 wheel"
+    runs = [rest for keyword, rest in stage(dockerfile, "gpu-build")["steps"] if keyword == "RUN"]
+    [gpu_install] = [i for i, rest in enumerate(runs) if ".[gpu]" in rest]
+    kernels = [i for i, rest in enumerate(runs) if re.search(r"\bvllm download-kernels\b", rest)]
+    assert kernels, "the gpu-build stage does not run `vllm download-kernels`"
+    # After vLLM (and FlashInfer) are installed, and a failed download fails the build.
+    assert kernels[0] > gpu_install
+    assert not re.search(r"\|\||--dry-run", runs[kernels[0]]), runs[kernels[0]]
+    copies = [
+        copy_parts(rest) for keyword, rest in stage(dockerfile, "gpu")["steps"] if keyword == "COPY"
+    ]
+    assert ({"from": "gpu-build"}, ["/opt/venv"], "/opt/venv") in copies
 
 
 def test_the_pinned_uv_reads_the_wheels_metadata_version(dockerfile):

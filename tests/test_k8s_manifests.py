@@ -16,8 +16,12 @@
 - Cross-checks: the RayJob's cluster equals raycluster.yaml, the PodMonitors' ports exist on the
   pods they select, the claim and mount paths agree with the entrypoint, the GPU workers
   require a driver of the image's CUDA, every pod shares one writable Hugging Face cache on
-  the claim, the dashboard ConfigMap holds deploy/'s dashboard, and the kustomization lists
-  the files.
+  the claim, an init step lets the pods' user write the claim's folders before Ray starts,
+  the dashboard ConfigMap holds deploy/'s dashboard, and the kustomization lists the files.
+- The RDMA component (components/rdma/): its JSON patch, applied here to the RayJob, gives the
+  GPU workers an RDMA resource, IPC_LOCK and NCCL's IB transport, and the result still
+  validates; the base asks for none of it. Where kubectl is installed, kustomize renders the
+  component the same way.
 """
 
 import copy
@@ -49,6 +53,10 @@ CRD_FILES = {"RayJob": "ray.io_rayjobs.yaml", "RayCluster": "ray.io_rayclusters.
 # label of the driver's major version; node affinity's Gt compares it as an integer.
 DRIVER_FLOOR = 580
 DRIVER_MAJOR_LABEL = "nvidia.com/cuda.driver.major"
+RDMA_COMPONENT = K8S / "components" / "rdma"
+# The example resource name of k8s-rdma-shared-dev-plugin (README.md, "RDMA").
+RDMA_RESOURCE = "rdma/hca_shared_devices_a"
+OWNER_STEP = "shared-volume-owner"
 
 _NAME = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
@@ -462,6 +470,85 @@ def test_requests_equal_limits_and_pods_run_as_non_root():
             assert {"cpu", "memory"} <= set(resources["limits"]), group
 
 
+# ---------------------------------------------------------------- the shared volume's owner
+
+
+def owner_step(template: dict) -> dict:
+    [step] = [c for c in template["spec"].get("initContainers", []) if c["name"] == OWNER_STEP]
+    return step
+
+
+def test_an_init_step_lets_the_ray_user_write_the_claim_before_ray_starts():
+    """fsGroup does not reach many ReadWriteMany volumes (NFS among them), so root, with
+    CAP_CHOWN only, gives the Ray container's user the folders it writes on the claim."""
+    claim = one("PersistentVolumeClaim")["metadata"]["name"]
+    for group, template in pod_templates(one("RayCluster")["spec"]).items():
+        spec = template["spec"]
+        claims = {
+            v["name"]: v["persistentVolumeClaim"]["claimName"]
+            for v in spec["volumes"]
+            if "persistentVolumeClaim" in v
+        }
+        [ray] = spec["containers"]
+        writable = [
+            m
+            for m in ray["volumeMounts"]
+            if claims.get(m["name"]) == claim and not m.get("readOnly")
+        ]
+        step = owner_step(template)
+        # An init container (a sidecar would have restartPolicy Always) ends before Ray starts.
+        assert "restartPolicy" not in step, group
+        # The same volume, folders and paths as the Ray container's, given to the script.
+        assert writable and step["volumeMounts"] == writable, group
+        assert step["command"][:2] == ["/bin/sh", "-c"], group
+        assert step["command"][4:] == [m["mountPath"] for m in writable], group
+        uid, gid = spec["securityContext"]["runAsUser"], spec["securityContext"]["runAsGroup"]
+        script = step["command"][2]
+        assert f'chown {uid}:{gid} "$dir"' in script and f"-uid {uid} " in script, group
+        security = step["securityContext"]
+        assert security["runAsUser"] == 0 and security["runAsNonRoot"] is False, group
+        assert security["allowPrivilegeEscalation"] is False, group
+        assert security["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}, group
+        # One image to pull, and to mirror for an offline cluster.
+        assert step["image"] == ray["image"], group
+        assert step["resources"]["requests"] == step["resources"]["limits"], group
+
+
+def run_owner_step(tmp_path: Path, mode: int, chown_status: int) -> tuple[int, str, str]:
+    """The head's init script on one local folder of `mode`, with a stand-in `chown` on PATH
+    that logs its arguments and exits `chown_status`: (exit status, stderr, chown's log)."""
+    if shutil.which("find") is None or os.getuid() == 1000 or os.getgid() == 1000:
+        pytest.skip("needs find(1) and a user other than uid/gid 1000, the pods' user")
+    folder, bin_dir, log = tmp_path / "hf-cache", tmp_path / "bin", tmp_path / "chown.log"
+    folder.mkdir()
+    folder.chmod(mode)
+    bin_dir.mkdir()
+    chown = bin_dir / "chown"
+    chown.write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(log))}\nexit {chown_status}\n')
+    chown.chmod(0o755)
+    command = owner_step(one("RayCluster")["spec"]["headGroupSpec"]["template"])["command"]
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(
+        [*command[:4], str(folder)], env=env, capture_output=True, text=True, timeout=60
+    )
+    return result.returncode, result.stderr, log.read_text() if log.exists() else ""
+
+
+def test_the_owner_step_leaves_a_folder_that_uid_1000_can_write(tmp_path):
+    # World-writable and owned by someone else, as on an NFS export opened up for squashed root.
+    assert run_owner_step(tmp_path, 0o777, chown_status=1) == (0, "", "")
+
+
+def test_the_owner_step_chowns_a_folder_that_uid_1000_cannot_write(tmp_path):
+    folder = tmp_path / "hf-cache"
+    assert run_owner_step(tmp_path, 0o755, chown_status=0) == (0, "", f"1000:1000 {folder}\n")
+
+
+def test_the_owner_step_fails_the_pod_with_a_pointer_when_it_cannot_chown(tmp_path):
+    status, stderr, _ = run_owner_step(tmp_path, 0o755, chown_status=1)
+    assert status == 1 and "root_squash" in stderr and "k8s/README.md" in stderr, stderr
+
+
 # ------------------------------------------------------------------ monitoring wiring
 
 
@@ -532,8 +619,126 @@ def test_kustomize_builds_when_kubectl_is_present():
     assert kinds == ["ConfigMap", "PersistentVolumeClaim", "PodMonitor", "PodMonitor", "RayJob"]
 
 
+# ---------------------------------------------------------------------- the RDMA component
+
+
+def json_patch(doc: dict, operations: list[dict]) -> dict:
+    """A copy of `doc` with RFC 6902 operations applied: "add" and "test", those that the
+    components here use (kustomize applies the same ones)."""
+    out = copy.deepcopy(doc)
+    for operation in operations:
+        keys = [k.replace("~1", "/").replace("~0", "~") for k in operation["path"].split("/")[1:]]
+        parent = out
+        for key in keys[:-1]:
+            parent = parent[int(key)] if isinstance(parent, list) else parent[key]
+        last = keys[-1]
+        if isinstance(parent, list):
+            last = len(parent) if last == "-" else int(last)
+        if operation["op"] == "test":
+            assert parent[last] == operation["value"], f"test failed: {operation}"
+        elif operation["op"] == "add" and isinstance(parent, list):
+            parent.insert(last, operation["value"])
+        elif operation["op"] == "add":
+            parent[last] = operation["value"]
+        else:
+            raise ValueError(f"operation {operation['op']!r} is not implemented here")
+    return out
+
+
+def test_json_patch_adds_appends_escapes_and_tests():
+    doc = {"a": [{"b": 1}], "c": {}}
+    patched = json_patch(
+        doc,
+        [
+            {"op": "test", "path": "/a/0/b", "value": 1},
+            {"op": "add", "path": "/a/-", "value": 2},
+            {"op": "add", "path": "/c/x~1y", "value": "3"},
+        ],
+    )
+    assert patched == {"a": [{"b": 1}, 2], "c": {"x/y": "3"}} and doc["c"] == {}
+    with pytest.raises(AssertionError, match="test failed"):
+        json_patch(doc, [{"op": "test", "path": "/a/0/b", "value": 2}])
+
+
+def rdma_patched_rayjob() -> dict:
+    component = yaml.safe_load((RDMA_COMPONENT / "kustomization.yaml").read_text())
+    assert component["apiVersion"] == "kustomize.config.k8s.io/v1alpha1"
+    assert component["kind"] == "Component"
+    job = one("RayJob")
+    [patch] = component["patches"]
+    assert patch["target"] == {
+        "group": "ray.io",
+        "version": "v1",
+        "kind": "RayJob",
+        "name": job["metadata"]["name"],
+    }
+    return json_patch(job, yaml.safe_load((RDMA_COMPONENT / patch["path"]).read_text()))
+
+
+def gpu_worker(job: dict) -> dict:
+    [group] = job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    [container] = group["template"]["spec"]["containers"]
+    return container
+
+
+def test_the_rdma_component_gives_the_gpu_workers_rdma_and_the_base_stays_on_tcp():
+    job = rdma_patched_rayjob()
+    assert not validation_errors(job)
+    worker = gpu_worker(job)
+    resources = worker["resources"]
+    assert resources["requests"][RDMA_RESOURCE] == resources["limits"][RDMA_RESOURCE] == "1"
+    assert worker["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["NCCL_NET"] == "IB"
+    # NCCL's bootstrap and Gloo stay on the pod network.
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"
+    # Only the GPU workers' Ray container changes.
+    base = one("RayJob")
+    rest = copy.deepcopy(job)
+    [group] = rest["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    group["template"]["spec"]["containers"] = [gpu_worker(base)]
+    assert rest == base
+    # The base asks for no RDMA and lists no component.
+    base_worker = gpu_worker(base)
+    assert not any(name.startswith("rdma/") for name in base_worker["resources"]["limits"])
+    assert "securityContext" not in base_worker
+    assert "NCCL_NET" not in {e["name"] for e in base_worker["env"]}
+    assert "components" not in yaml.safe_load((K8S / "kustomization.yaml").read_text())
+
+
+def test_kustomize_renders_the_rdma_component_as_the_test_patches_it(tmp_path):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not installed; the component's patch is applied in Python above")
+    overlay = tmp_path / "k8s"
+    shutil.copytree(K8S, overlay)
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    kustomization["components"] = ["components/rdma"]
+    (overlay / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run(
+        [kubectl, "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    [job] = [doc for doc in yaml.safe_load_all(result.stdout) if doc and doc["kind"] == "RayJob"]
+    assert job == rdma_patched_rayjob()
+
+
 def test_readme_names_every_manifest():
     readme = (K8S / "README.md").read_text()
     for path in MANIFEST_FILES:
         assert path.name in readme, path.name
     assert re.search(r"kubectl apply -k k8s", readme)
+    assert "components/rdma" in readme and OWNER_STEP in readme
+
+
+def test_every_ray_pod_ends_a_dead_workers_process_group():
+    """A generator replica that dies must take vLLM's engine processes, and their GPU memory,
+    with it (tests/test_replica_exit.py): the raylet of every pod runs with per-worker process
+    groups, in the RayCluster and in the RayJob's cluster alike."""
+    clusters = {"RayCluster": one("RayCluster")["spec"]}
+    clusters["RayJob"] = one("RayJob")["spec"]["rayClusterSpec"]
+    for kind, spec in clusters.items():
+        for group, template in pod_templates(spec).items():
+            for container in template["spec"]["containers"]:
+                env = {e["name"]: e.get("value") for e in container["env"]}
+                assert env.get("RAY_process_group_cleanup_enabled") == "1", (kind, group)

@@ -13,15 +13,21 @@ import hashlib
 import multiprocessing
 import re
 import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import cagrpo_ray.sync.group as sync_group
 from cagrpo_ray.sync import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
 from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket, unpack_bucket
 from cagrpo_ray.sync.receiver import BufferPool
+from cagrpo_ray.sync.transport import GlooTransport, NcclWork
 
 SHORT_TIMEOUT_S = 2.0
 
@@ -93,6 +99,77 @@ def test_receive_buffers_are_reused_only_when_no_view_is_held():
     del second, third
     pool.trim()
     assert [b.numel() for b, _ in pool._buffers] == [1000]
+
+
+# ------------------------------------------------------------ transports (no second rank)
+
+
+def _join_alone(backend: str, *device_args):
+    """Join a one-rank group on an in-memory store; `device_args`: (device_id, device)."""
+    return sync_group.join_group(
+        dist.HashStore(), 0, 1, backend, SHORT_TIMEOUT_S, "127.0.0.1", *device_args
+    )
+
+
+@pytest.mark.unit
+def test_nccl_joins_through_pynccl_and_gloo_through_a_gloo_group(monkeypatch):
+    made = []
+
+    class FakePyNccl:  # vLLM's PyNccl needs a GPU; here only the choice is under test
+        def __init__(self, store, rank, world_size, device):
+            made.append((rank, world_size, device))
+
+    monkeypatch.setattr(sync_group, "PyNcclTransport", FakePyNccl)
+    gpu = torch.device("cuda", 0)
+    nccl = _join_alone("nccl", "GPU-a", gpu)
+    assert isinstance(nccl, FakePyNccl) and made == [(0, 1, gpu)]
+    gloo = _join_alone("gloo")
+    assert isinstance(gloo, GlooTransport) and isinstance(gloo.group, dist.ProcessGroupGloo)
+    gloo.close()
+
+
+@pytest.mark.unit
+def test_an_nccl_communicator_that_fails_to_form_is_a_weight_sync_error(monkeypatch):
+    def failing(store, rank, world_size, device):
+        raise RuntimeError("NCCL error: remote process exited or there was a network error")
+
+    monkeypatch.setattr(sync_group, "PyNcclTransport", failing)
+    with pytest.raises(WeightSyncError, match=r"learner \(rank 0\) could not form .* NCCL"):
+        _join_alone("nccl", "GPU-a", torch.device("cuda", 0))
+
+
+class _Event:
+    """A CUDA event's stand-in: done after `polls` queries (never, with None)."""
+
+    def __init__(self, polls: int | None):
+        self.polls = polls
+
+    def query(self) -> bool:
+        if self.polls is None:
+            return False
+        self.polls -= 1
+        return self.polls < 0
+
+
+@pytest.mark.unit
+def test_an_nccl_broadcast_that_never_finishes_fails_its_wait_on_time():
+    NcclWork(_Event(polls=3), torch.zeros(1)).wait(timedelta(seconds=5))  # done: returns
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="not done after 0.2 s"):
+        NcclWork(_Event(polls=None), torch.zeros(1)).wait(timedelta(seconds=0.2))
+    assert 0.2 <= time.monotonic() - start < 2
+
+
+@pytest.mark.unit
+def test_the_gloo_path_never_imports_vllm():
+    code = (
+        "import sys, torch.distributed as dist\n"
+        "from cagrpo_ray.sync.group import join_group\n"
+        "join_group(dist.HashStore(), 0, 1, 'gloo', 2.0, '127.0.0.1').close()\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] == 'vllm']\n"
+        "assert not loaded, loaded\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 # ------------------------------------------------- sender and receivers (threads, processes)

@@ -160,6 +160,9 @@ class HFEngine:
             self.policy_version = version
 
     def init_weight_sync(self, address: SyncAddress | dict, rank_offset: int) -> list[int]:
+        if self._receiver is not None:  # a rebuilt group: release the old one's transport
+            self._receiver.close()
+            self._receiver = None
         self._receiver = WeightReceiver(address, rank_offset)
         return [rank_offset]
 

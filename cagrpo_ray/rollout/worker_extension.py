@@ -50,6 +50,12 @@ class WeightSyncExtension:
         `address` is `dataclasses.asdict(SyncAddress)`; plain values cross the RPC unchanged.
         """
         rank = rank_offset + self.rank
+        previous = getattr(self, "weight_receiver", None)
+        if previous is not None:
+            # A rebuilt group: the old one's NCCL communicator is freed only by an explicit
+            # close (a dropped reference keeps its GPU memory and threads).
+            previous.close()
+            self.weight_receiver = None
         self.weight_receiver = WeightReceiver(SyncAddress(**address), rank)
         return rank
 

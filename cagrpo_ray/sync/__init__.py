@@ -1,8 +1,9 @@
 """Weight synchronisation: learner rank 0 broadcasts named tensors to every generator worker.
 
 `WeightSender` (learner rank 0) and `WeightReceiver` (each generator worker; inside vLLM it is
-created by `cagrpo_ray.rollout.worker_extension`) share a dedicated process group, gloo on CPU
-and NCCL on GPU, over its own `TCPStore`. The protocol is described in `sender.py`.
+created by `cagrpo_ray.rollout.worker_extension`) share a dedicated group over its own
+`TCPStore`: gloo on CPU, vLLM's PyNccl on GPU (`transport.py` says why not torch's NCCL process
+group). The protocol is described in `sender.py`.
 """
 
 from cagrpo_ray.sync.group import SyncAddress, WeightSyncError, as_sync_address

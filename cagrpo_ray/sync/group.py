@@ -1,9 +1,9 @@
 """The dedicated weight-sync process group and its named rendezvous.
 
 Rank 0 is the learner's rank 0; ranks 1.. are generator workers (one per vLLM worker process,
-so a tensor-parallel engine takes several). The group is a standalone
-`ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) over its own `TCPStore`, never the default
-`torch.distributed` group: the learner's default group belongs to DeepSpeed.
+so a tensor-parallel engine takes several). The group is a transport (`transport.py`) over its
+own `TCPStore`: a standalone `ProcessGroupGloo` on CPU, vLLM's `PyNcclCommunicator` on GPU;
+never the default `torch.distributed` group, which on the learner belongs to DeepSpeed.
 
 A raw collective whose peer never comes blocks until its timeout and then says nothing about
 who is missing. So every rendezvous goes through the store first: each rank writes a key
@@ -13,13 +13,13 @@ names the ranks whose keys are missing. Only then does the data collective start
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from cagrpo_ray.sync.transport import GlooTransport, PyNcclTransport
 
 LEARNER_RANK = 0
 BACKENDS = ("gloo", "nccl")
@@ -119,15 +119,20 @@ def join_group(
     timeout_s: float,
     host: str,
     device_id: str | None = None,
+    device: torch.device | None = None,
 ):
-    """Every rank calls this once; returns the group after all `world_size` ranks have joined.
+    """Every rank calls this once; returns the group's transport (`GlooTransport` for "gloo",
+    `PyNcclTransport` for "nccl") after all `world_size` ranks have joined.
 
+    `device` holds the rank's broadcast tensors (by default `sync_device(backend)` of the
+    calling thread; the learner joins from a thread of its own, so it passes its device).
     Each rank announces its device (`device_id`, by default its GPU's UUID under NCCL): NCCL
     refuses two ranks of one communicator on one GPU ("Duplicate GPU detected") only at the
     first collective, deep inside a broadcast; here every rank fails at once, naming the ranks
     and the GPU.
     """
-    store.set(f"device/{rank}", device_id or local_device_id(backend))
+    device = sync_device(backend) if device is None else device
+    store.set(f"device/{rank}", device_id or local_device_id(device))
     store.set(f"joined/{rank}", "1")
     ranks = absent_ranks(store, "joined", list(range(world_size)), timeout_s)
     if ranks:
@@ -137,33 +142,34 @@ def join_group(
         )
     shared = shared_devices({r: store.get(f"device/{r}").decode() for r in range(world_size)})
     if shared:
-        device, ranks = next(iter(shared.items()))
+        gpu, ranks = next(iter(shared.items()))
         raise WeightSyncError(
-            f"{describe_ranks(ranks)} of the weight-sync group are on the same GPU {device}: "
+            f"{describe_ranks(ranks)} of the weight-sync group are on the same GPU {gpu}: "
             "NCCL refuses two ranks of one communicator on one device. Layouts where a "
             "generator and a learner share a GPU are not supported; give each role its own GPUs"
         )
     group_store = dist.PrefixStore("group/", store)
-    timeout = timedelta(seconds=timeout_s)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        # Above the waits' own timeout: a stalled collective makes `wait` raise first, and the
-        # group is then aborted, before PyTorch's NCCL watchdog (which, under its default
-        # TORCH_NCCL_ASYNC_ERROR_HANDLING=3, kills the whole process) would fire.
-        options._timeout = timedelta(seconds=2 * timeout_s + 60)
-        return dist.ProcessGroupNCCL(group_store, rank, world_size, options)
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
-    options._devices = [_gloo_device(host)]
-    return dist.ProcessGroupGloo(group_store, rank, world_size, options)
-
-
-def local_device_id(backend: str) -> str:
-    """What this rank's tensors of the group live on: its GPU's UUID under NCCL, else "cpu"."""
     if backend != "nccl":
+        return GlooTransport(group_store, rank, world_size, timeout_s, host)
+    # Not ProcessGroupNCCL: its watchdog, which ends the whole process on a peer's death under
+    # TORCH_NCCL_ASYNC_ERROR_HANDLING 1 or 3, would put learner rank 0 at the mercy of every
+    # generator worker (see `transport.py`). PyNccl has no watchdog; our waits bound each
+    # broadcast, and an abort costs only this group.
+    try:
+        return PyNcclTransport(group_store, rank, world_size, device)
+    except (RuntimeError, dist.DistError) as exc:
+        raise WeightSyncError(
+            f"{rank_name(rank)} could not form the weight-sync NCCL communicator (world size "
+            f"{world_size}) on {device}: {exc}"
+        ) from exc
+
+
+def local_device_id(device: torch.device) -> str:
+    """What a rank's tensors of the group live on: its GPU's UUID for a CUDA device, else
+    "cpu"."""
+    if device.type != "cuda":
         return "cpu"
-    index = torch.cuda.current_device()
-    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+    return f"GPU-{torch.cuda.get_device_properties(device.index).uuid}"
 
 
 def shared_devices(devices: dict[int, str]) -> dict[str, list[int]]:
@@ -175,45 +181,19 @@ def shared_devices(devices: dict[int, str]) -> dict[str, list[int]]:
     return {d: r for d, r in by_device.items() if d != "cpu" and len(r) > 1}
 
 
-def abort(group) -> None:
-    """Abort a group after a failed collective, so that no rank stays blocked in it (NCCL:
-    the communicator is torn down before the watchdog would kill the process); the group is
-    unusable afterwards. Gloo's abort returns without unblocking, which is harmless here:
-    gloo's own timeout has already ended the wait."""
-    stop = getattr(group, "abort", None)
-    if stop is None:
-        return
-    try:
-        stop()
-    except (RuntimeError, dist.DistError):
-        pass  # already broken; nothing more to release
+def abort(transport) -> None:
+    """Give up on a transport after a failed wait, so that no rank stays blocked in it; it is
+    unusable afterwards (gloo: its own timeout has already ended the wait; NCCL: the
+    communicator is aborted, which ends only this group)."""
+    transport.abort()
 
 
-def _gloo_device(host: str):
-    # A loopback store means every rank is on this machine: talk over loopback. Otherwise gloo's
-    # default device (hostname lookup, or the interface named by GLOO_SOCKET_IFNAME).
-    if _is_loopback(host):
-        return dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")
-    return dist.ProcessGroupGloo.create_default_device()
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
-
-
-def start_broadcast(group, tensor: torch.Tensor, timeout_s: float):
+def start_broadcast(transport, tensor: torch.Tensor, timeout_s: float):
     """Start broadcasting `tensor` in place from the learner (rank 0); returns the work.
 
     Every rank must start its broadcasts in the same order.
     """
-    options = dist.BroadcastOptions()
-    options.rootRank = LEARNER_RANK
-    options.rootTensor = 0
-    options.timeout = timedelta(seconds=timeout_s)
-    return group.broadcast([tensor], options)
+    return transport.start_broadcast(tensor, LEARNER_RANK, timeout_s)
 
 
 def wait(work, timeout_s: float) -> None:

@@ -47,10 +47,10 @@ class WeightReceiver:
         self._store = open_store(
             host, address.port, world_size, is_master=False, timeout_s=timeout_s
         )
-        self._group = join_group(
-            self._store, rank, world_size, address.backend, timeout_s, host, device_id
-        )
         self._device = sync_device(address.backend)
+        self._group = join_group(
+            self._store, rank, world_size, address.backend, timeout_s, host, device_id, self._device
+        )
         self._buffers = BufferPool(self._device)
 
     def receive(self, version: int, load: LoadWeights) -> SyncStats:
@@ -142,6 +142,9 @@ class WeightReceiver:
             ) from exc
 
     def close(self) -> None:
+        """Release the group (its NCCL communicator is freed only here, or by an abort)."""
+        if self._group is not None:
+            self._group.close()
         self._group = None
         self._store = None
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,7 @@ class WeightSender:
         self._joiner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-join")
         self._group_future = self._joiner.submit(
             join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host,
-            device_id,
+            device_id, self._device,
         )  # fmt: skip
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
         self._broken: str | None = None
@@ -103,10 +103,20 @@ class WeightSender:
     def _group(self, what: str):
         if self._broken:
             raise WeightSyncError(f"{what}: the group is unusable after: {self._broken}")
+        # join_group bounds its rendezvous by timeout_s, and gloo its connection; NCCL's
+        # communicator init has no timeout, hence a bound here too.
+        limit_s = 2 * self.timeout_s + 60
         try:
-            return self._group_future.result()  # join_group bounds its own wait by timeout_s
+            return self._group_future.result(timeout=limit_s)
         except WeightSyncError as exc:
             raise WeightSyncError(f"{what}: {exc}") from exc
+        except TimeoutError as exc:
+            self._broken = "the group did not form"
+            raise WeightSyncError(
+                f"{what}: every rank joined, but the {self.backend} group did not form within "
+                f"{limit_s:g} s (a generator worker died or stalled after it joined); build a "
+                "new group"
+            ) from exc
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
         """Broadcast `named_tensors` as policy `version` to every generator worker.
@@ -210,9 +220,12 @@ class WeightSender:
             ) from exc
 
     def close(self) -> None:
-        """Drop the group and stop serving the store (receivers' next wait fails, naming us)."""
+        """Release the group (now, or once a join still under way ends) and stop serving the
+        store (receivers' next wait fails, naming us)."""
         self._joiner.shutdown(wait=False, cancel_futures=True)
         self._broken = self._broken or "the sender was closed"
+        if self._group_future is not None:
+            self._group_future.add_done_callback(_close_transport)
         self._group_future = None
         self._store = None
 
@@ -221,3 +234,8 @@ class WeightSender:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _close_transport(joined: Future) -> None:
+    if not joined.cancelled() and joined.exception() is None:
+        joined.result().close()  # an NCCL communicator is freed only by an explicit abort
