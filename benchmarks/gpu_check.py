@@ -17,7 +17,8 @@ statistics, and a crash or a hang is recorded instead of ending the run):
   An out-of-memory error is a result;
 - sync: learner rank 0 (ZeRO-3, on GPU 0) and a receiver process. The rendezvous must refuse
   a receiver on the learner's GPU, on both sides; the learner's CUDA parameters then travel
-  over gloo, 3 versions, and must arrive bit for bit; with two GPUs also over NCCL to GPU 1.
+  over gloo, 3 versions, and must arrive bit for bit; with two GPUs also over NCCL to GPU 1
+  (vLLM's PyNccl communicator: that transfer alone needs vLLM installed).
   There is no CUDA-IPC path (colocated layouts are refused).
 
 Writes gpu_check.json and gpu_check.md to --out (default $OUT, else runs/gpu_check) after
