@@ -133,6 +133,7 @@ class Scheduler:
         self.verifier_errors = 0
         self.unparsed = 0  # scored responses in which the task verifier found no answer
         self.scored_responses = 0
+        self.spanning_loads = 0  # responses generated across a weight load (in-flight mode)
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
@@ -182,6 +183,7 @@ class Scheduler:
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
         unparsed_before, responses_before = self.unparsed, self.scored_responses
+        spanning_before = self.spanning_loads
         filtered_before, penalized_before = self.filtered_groups, self.overlong_penalized
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
@@ -273,6 +275,10 @@ class Scheduler:
                 "tokens/generated": generated,
             }
         )
+        if cfg.rollout.weight_update == "in_flight":
+            metrics["rollout/spanning_load_fraction"] = (
+                self.spanning_loads - spanning_before
+            ) / max(1, self.scored_responses - responses_before)
         return metrics
 
     def _groups_to_inspect(self, batch) -> list[int] | None:
@@ -404,6 +410,7 @@ class Scheduler:
             return
         items = [self.train_source[i] for i in chunk.indices]
         groups = finished.groups
+        self.spanning_loads += sum(bool(c.loads) for group in groups for c in group)
         texts = [c.text for group in groups for c in group]
         per_sample = [it for it in items for _ in range(self.config.rollout.group_size)]
         self.tokens_generated += sum(len(c.token_ids) for group in groups for c in group)

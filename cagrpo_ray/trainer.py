@@ -34,6 +34,7 @@ from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.placement import Placement
 from cagrpo_ray.rollout.buffer import RolloutBuffer
+from cagrpo_ray.rollout.engines import engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
 from cagrpo_ray.scheduler import Scheduler, instruction_text
@@ -171,7 +172,7 @@ class Trainer:
             GeneratorActor.options(
                 **self.placement.generator(replica),
                 runtime_env={"env_vars": self._generator_env(replica)},
-            ).remote(replica, cfg.rollout.engine, self.model_path, self._engine_options(replica))
+            ).remote(replica, cfg.rollout.engine, self.model_path, engine_options(cfg, replica))
             for replica in range(cfg.rollout.num_generators)
         ]
         self.pool = GeneratorPool(
@@ -297,23 +298,6 @@ class Trainer:
                 str(c) if share == 1 else f"{c}-{c + share - 1}" for c in first
             )
         return env
-
-    def _engine_options(self, replica: int) -> dict:
-        r = self.config.rollout
-        options = dict(
-            seed=self.config.run.seed + replica,
-            max_model_len=r.max_model_len,
-            dtype=self.config.model.dtype,
-        )
-        if r.engine == "vllm":
-            options["tensor_parallel_size"] = r.tensor_parallel_size
-            if r.enforce_eager:
-                options["enforce_eager"] = True
-            if r.num_gpus_per_generator > 0:
-                options["gpu_memory_utilization"] = r.gpu_memory_utilization
-            else:
-                options["kv_cache_gib"] = r.kv_cache_gib
-        return options
 
     # --------------------------------------------------------------------- the run
 

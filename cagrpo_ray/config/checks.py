@@ -58,6 +58,11 @@ def check_across_sections(config: Config) -> Config:
             f"{config.data.source!r} (put harder problems in their own file and evaluate it with "
             "python -m cagrpo_ray.eval, or leave eval.hard_config empty)"
         )
+    if r.weight_update == "in_flight" and r.engine != "vllm":
+        raise ValueError(
+            f"rollout.weight_update 'in_flight' needs rollout.engine 'vllm' (got {r.engine!r}): "
+            "the HF engine runs one request at a time and has nothing to freeze; use 'drain'"
+        )
     if config.sync.timeout_s >= config.learner.dist_timeout_s:
         raise ValueError(
             f"sync.timeout_s ({config.sync.timeout_s:g}) must be below learner.dist_timeout_s "

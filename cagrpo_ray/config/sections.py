@@ -166,6 +166,12 @@ class RolloutConfig(Section):
     chunk_prompts: int = Field(
         4, ge=1, description="Prompts per generation request; small chunks balance replicas."
     )
+    weight_update: Literal["drain", "in_flight"] = Field(
+        "drain",
+        description="How a replica loads new weights: drain (its requests in flight finish "
+        "first, then it loads) or in_flight (vLLM only: they are frozen, the weights loaded, "
+        "their KV recomputed and they go on; a response's staleness is its first token's).",
+    )
     max_prompts_in_flight: int = Field(
         0,
         ge=0,

@@ -87,3 +87,21 @@ def make_engine(
 
         return HFEngine(model_path, seed=seed, max_model_len=max_model_len, dtype=dtype, **options)
     raise ValueError(f"engine kind must be 'vllm' or 'hf', got {kind!r}")
+
+
+def engine_options(config, replica: int) -> dict:
+    """`make_engine`'s options for generator replica `replica` of a run's `config`."""
+    r = config.rollout
+    options = dict(seed=config.run.seed + replica, max_model_len=r.max_model_len,
+                   dtype=config.model.dtype)  # fmt: skip
+    if r.engine == "vllm":
+        options["tensor_parallel_size"] = r.tensor_parallel_size
+        if r.weight_update == "in_flight":
+            options["in_flight_updates"] = True
+        if r.enforce_eager:
+            options["enforce_eager"] = True
+        if r.num_gpus_per_generator > 0:
+            options["gpu_memory_utilization"] = r.gpu_memory_utilization
+        else:
+            options["kv_cache_gib"] = r.kv_cache_gib
+    return options

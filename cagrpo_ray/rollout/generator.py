@@ -9,7 +9,10 @@ New weights go in between requests, never in the middle of one: `receive_weights
 closes the gate to new requests, waits until the requests in flight have finished (they keep
 the version they started with), loads, and opens the gate again. The pool sends no new request
 to a replica while its load is pending, so every completion's `policy_version` is the version
-it was sampled with, and no request is ever cut in half.
+it was sampled with, and no request is ever cut in half. With `rollout.weight_update:
+in_flight` (vLLM) the gate still closes, but the requests in flight are not waited for: the
+engine freezes them for the load and they go on under the new weights (`vllm_engine.py`), so
+no replica idles for a sync; each completion's `loads` says which of its tokens came after.
 
 A replica whose engine died (its core process, a worker, or a reload that left the model
 half-loaded) ends the engine's remaining processes and exits, so that Ray restarts it instead
@@ -91,10 +94,12 @@ class Generator:
         return self.engine.init_weight_sync(address, rank_offset)
 
     def receive_weights(self, version: int) -> dict:
-        """Drain the requests in flight, then load `version` (see the module docstring)."""
+        """Drain the requests in flight, then load `version` (see the module docstring); an
+        engine with in-flight updates loads with its requests frozen instead."""
         with self._gate:
-            self._loading = True
-            self._gate.wait_for(lambda: self._in_flight == 0)
+            self._loading = True  # new calls wait for the load
+            if not getattr(self.engine, "in_flight_updates", False):
+                self._gate.wait_for(lambda: self._in_flight == 0)
         try:
             return self.engine.receive_weights(version)
         except Exception as exc:

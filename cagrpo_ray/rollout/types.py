@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -52,4 +52,7 @@ class Completion:
     logprobs: list[float]  # behavior log-prob of each sampled token, same length
     text: str  # decoded response (special tokens kept, e.g. <think>)
     finish_reason: str  # "stop" | "length"
-    policy_version: int  # version of the weights that sampled it
+    policy_version: int  # version of the weights that sampled its first token (its oldest)
+    # In-flight weight updates (rollout.weight_update = "in_flight"): (t, v) when tokens t..
+    # were sampled by version v, one pair per load the response spanned; empty otherwise.
+    loads: list[tuple[int, int]] = field(default_factory=list)

@@ -15,9 +15,17 @@ T != 1.) Greedy requests (T = 0) get log_softmax(logits).
 `dtype="auto"` means the checkpoint's dtype, as in transformers (vLLM's own "auto" would run
 a float32 checkpoint in half precision).
 
-Weights change through the worker extension (`worker_extension.py`), only while no request
-is running (the generator drains its requests first, see `generator.py`); after every change
-the prefix cache is reset, since cached KV blocks of a prompt were computed by the old weights.
+Weights change through the worker extension (`worker_extension.py`); after every change the
+prefix cache is reset, since cached KV blocks of a prompt were computed by the old weights.
+By default a change happens only while no request is running (the generator drains its
+requests first, see `generator.py`). With `in_flight_updates` (`rollout.weight_update:
+in_flight`) the requests in flight are frozen where they are instead (`AsyncLLM.
+pause_generation(mode="keep")`), the weights loaded, every frozen request preempted so that
+its KV cache is recomputed under the new weights (`reset_prefix_cache(reset_running_requests=
+True)`), and generation resumed: a response's tokens after the load are sampled by the new
+policy, conditioned on the same tokens, and its `Completion.loads` says from which token on.
+Its `policy_version` stays the version of its first token, so the staleness bound, counted by
+the oldest token, stays exact.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import dataclasses
 import itertools
 import threading
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +47,7 @@ WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
 CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the box (ENVIRONMENT.md)
 CPU_BATCHED_TOKENS = 8192  # tokens per engine step on the CPU, where prefills are never split
 CPU_MAX_SEQS = 256  # sequences per engine step on the CPU (vLLM's `LLM` default there)
+IN_FLIGHT_SETTLE_S = 0.05  # after a pause, for the last step's outputs to reach the streams
 
 
 class VLLMEngine:
@@ -63,6 +73,7 @@ class VLLMEngine:
         kv_cache_gib: float | None = None,
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
+        in_flight_updates: bool = False,
         **engine_options,
     ):
         from vllm import AsyncEngineArgs
@@ -107,6 +118,11 @@ class VLLMEngine:
         self.num_sync_ranks = tensor_parallel_size * options.get("pipeline_parallel_size", 1)
         self._rpc_timeout_s: float | None = None
         self._request_ids = itertools.count()
+        self.in_flight_updates = in_flight_updates
+        # In-flight mode, on the engine's loop only: each running request's samples so far,
+        # and the loads it spanned ({sample index: tokens before the load}, the new version).
+        self._live: dict[str, dict[int, _Streamed]] = {}
+        self._loads: dict[str, list[tuple[dict[int, int], int]]] = {}
 
     def _run(self, coroutine, timeout: float | None = None):
         """Run `coroutine` on the engine's loop and wait for its result (thread-safe)."""
@@ -119,17 +135,17 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        version = self.policy_version  # weights never change while a request runs
+        version = self.policy_version  # the version of every request's first token
         requests = [
             (
                 TokensPrompt(prompt_token_ids=list(prompt)),
-                self._sampling_params(sampling, index),
+                self._sampling_params(sampling, index, stream=self.in_flight_updates),
                 f"cagrpo-{next(self._request_ids)}",
             )
             for index, prompt in enumerate(prompts)
         ]
         outputs = self._run(self._generate_all(requests))
-        samples = [sample for out in outputs for sample in out.outputs]
+        samples = [sample for _, request_samples, _ in outputs for sample in request_samples]
         # Decoded here, in one batch, rather than by vLLM's incremental detokenizer, which
         # holds back a trailing partial UTF-8 sequence: the text is then exactly
         # `tokenizer.decode` of the tokens, as the HF engine gives it.
@@ -139,21 +155,38 @@ class VLLMEngine:
             )
         )
         return [
-            [_completion(list(out.prompt_token_ids), s, next(texts), version) for s in out.outputs]
-            for out in outputs
+            [
+                _completion(prompt_ids, sample, next(texts), version, _sample_loads(loads, i))
+                for i, sample in enumerate(request_samples)
+            ]
+            for prompt_ids, request_samples, loads in outputs
         ]
 
     async def _generate_all(self, requests):
         return await asyncio.gather(*(self._generate_one(*request) for request in requests))
 
     async def _generate_one(self, prompt, params, request_id: str):
-        final = None
-        async for output in self.engine.generate(prompt, params, request_id):
-            final = output
-        return final
+        """(prompt token ids, the request's samples in index order, the loads it spanned)."""
+        if not self.in_flight_updates:
+            final = None
+            async for output in self.engine.generate(prompt, params, request_id):
+                final = output
+            return list(final.prompt_token_ids), list(final.outputs), []
+        samples = self._live[request_id] = {i: _Streamed() for i in range(params.n)}
+        try:
+            async for output in self.engine.generate(prompt, params, request_id):
+                for delta in output.outputs:  # only the samples that moved, by index
+                    samples[delta.index].add(delta)
+        finally:
+            del self._live[request_id]
+        return (
+            list(prompt["prompt_token_ids"]),
+            list(samples.values()),
+            self._loads.pop(request_id, []),
+        )
 
     @staticmethod
-    def _sampling_params(sampling: SamplingConfig, index: int):
+    def _sampling_params(sampling: SamplingConfig, index: int, stream: bool = False):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -167,7 +200,8 @@ class VLLMEngine:
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
             detokenize=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            # in-flight mode follows each sample's tokens as they come (where a load cuts it)
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def check_health(self, timeout_s: float = 60.0) -> None:
@@ -190,10 +224,7 @@ class VLLMEngine:
             )
             for name, tensor in named_tensors
         ]
-        self._rpc("load_serialized_weights", serialized)
-        self._run(self.engine.reset_prefix_cache())
-        if version is not None:
-            self.policy_version = version
+        self._load(lambda: self._rpc("load_serialized_weights", serialized), version)
 
     def init_weight_sync(self, address: SyncAddress | dict, rank_offset: int) -> list[int]:
         """Every worker of this engine joins the learner's group, as ranks
@@ -206,10 +237,11 @@ class VLLMEngine:
     def receive_weights(self, version: int, record_digests: bool = False) -> dict:
         """Receive `version` into every worker; returns {"version", "num_bytes", "seconds"}
         (the slowest worker's) and, with `record_digests`, each worker's received digests.
-        Call it with no request running (the generator's drain)."""
-        results = self._sync_rpc("receive_weights", version, record_digests)
-        self._run(self.engine.reset_prefix_cache())
-        self.policy_version = version
+        Call it with no request running (the generator's drain), or in in-flight mode with
+        requests running: they are frozen for the load (the module docstring)."""
+        results = self._load(
+            lambda: self._sync_rpc("receive_weights", version, record_digests), version
+        )
         summary = {
             "version": version,
             "num_bytes": results[0]["num_bytes"],
@@ -218,6 +250,43 @@ class VLLMEngine:
         if record_digests:
             summary["digests"] = [r["digests"] for r in results]
         return summary
+
+    def _load(self, load, version: int | None):
+        """Run `load()` (new weights into every worker) and reset the prefix cache; in in-flight
+        mode with the running requests frozen around it (the module docstring)."""
+        if not self.in_flight_updates:
+            result = load()
+            self._run(self.engine.reset_prefix_cache())
+            self.policy_version = self.policy_version if version is None else version
+            return result
+        progress = self._run(self._pause())
+        try:
+            result = load()
+            # The frozen requests' KV blocks hold the old weights' keys and values: preempted,
+            # they are recomputed under the new ones when generation resumes.
+            self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+            if version is not None:
+                self._run(self._mark_loads(progress, version))
+                self.policy_version = version
+        finally:
+            self._run(self.engine.resume_generation())
+        return result
+
+    async def _pause(self) -> dict[str, dict[int, int]]:
+        """Freeze every running request; returns how many tokens each sample has so far."""
+        await self.engine.pause_generation(mode="keep", clear_cache=False)
+        # The last step's outputs may still be on their way into the requests' streams (vLLM
+        # sleeps briefly for them too): let the streams take them before counting.
+        await asyncio.sleep(IN_FLIGHT_SETTLE_S)
+        return {
+            request_id: {i: len(sample.token_ids) for i, sample in samples.items()}
+            for request_id, samples in self._live.items()
+        }
+
+    async def _mark_loads(self, progress: dict[str, dict[int, int]], version: int) -> None:
+        for request_id, counts in progress.items():
+            if request_id in self._live:
+                self._loads.setdefault(request_id, []).append((counts, version))
 
     def _rpc(self, method: str, *args, timeout: float | None = None):
         return self._run(self.engine.collective_rpc(method, timeout=timeout, args=args))
@@ -283,9 +352,14 @@ def _shown_tokens(sample) -> list[int]:
     return list(sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids)
 
 
-def _completion(prompt_token_ids: list[int], sample, text: str, version: int) -> Completion:
+def _completion(
+    prompt_token_ids: list[int], sample, text: str, version: int, loads: list[tuple[int, int]]
+) -> Completion:
     token_ids = list(sample.token_ids)
-    logprobs = _sampled_logprobs(sample.logprobs, token_ids)
+    if isinstance(sample, _Streamed):
+        logprobs = sample.logprobs
+    else:
+        logprobs = _sampled_logprobs(sample.logprobs, token_ids)
     if sample.finish_reason not in ("stop", "length"):
         raise RuntimeError(f"vLLM finished a sample with {sample.finish_reason!r}")
     return Completion(
@@ -295,7 +369,30 @@ def _completion(prompt_token_ids: list[int], sample, text: str, version: int) ->
         text=text,
         finish_reason=sample.finish_reason,
         policy_version=version,
+        loads=[(t, v) for t, v in loads if t < len(token_ids)],  # not after it finished
     )
+
+
+def _sample_loads(loads: list[tuple[dict[int, int], int]], index: int) -> list[tuple[int, int]]:
+    """One sample's (first token of the new version, version) for each load its request
+    spanned."""
+    return [(counts.get(index, 0), version) for counts, version in loads]
+
+
+@dataclass
+class _Streamed:
+    """One sample put together from vLLM's DELTA outputs (in-flight mode)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    def add(self, delta) -> None:
+        ids = list(delta.token_ids)
+        if ids:
+            self.token_ids += ids
+            self.logprobs += _sampled_logprobs(delta.logprobs, ids)
+        self.finish_reason = delta.finish_reason or self.finish_reason
 
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
