@@ -2,12 +2,15 @@
 fraction, staleness, and held-out accuracy after the same number of learner steps.
 
     .venv/bin/python benchmarks/bench_async.py [--steps 30] [--seeds 0 1] [--warmup 3]
-        [--set KEY=VALUE ...] [--title TEXT] [--out benchmarks/results/bench_async.md [--append]]
+        [--modes sync async async-in-flight] [--set KEY=VALUE ...] [--title TEXT]
+        [--out benchmarks/results/bench_async.md [--append]]
 
 Each run is `python -m cagrpo_ray.run` as a subprocess (its own local Ray cluster), with
 configs/cpu-tiny.yaml (sync) or configs/cpu-tiny.yaml + configs/async.yaml (async: bound 1,
-truncated IS at 2), the same seeds and the same number of learner steps. The runs alternate
-sync, async, sync, async so that the machine's drift hits both modes alike. Per-step time is
+truncated IS at 2; async-in-flight: the same with `rollout.weight_update=in_flight`, replicas
+loading new weights with their requests frozen), the same seeds and the same number of learner
+steps. The runs alternate modes (sync, async, sync, async) so that the machine's drift hits
+every mode alike. Per-step time is
 `time/step` from metrics.jsonl (the first `--warmup` steps left out); held-out accuracy is
 pass@1 on 200 held-out prompts x 4 samples, compared per prompt between the two modes.
 `--set` passes config overrides to every run (e.g. `rollout.num_generators=1
@@ -32,16 +35,20 @@ import numpy as np
 from cagrpo_ray.metrics.provenance import markdown_table, report
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = {
-    "sync": ["configs/cpu-tiny.yaml"],
-    "async": ["configs/cpu-tiny.yaml", "configs/async.yaml"],
+ASYNC = ["configs/cpu-tiny.yaml", "configs/async.yaml"]
+MODES = {  # mode -> (configs, its own overrides)
+    "sync": (["configs/cpu-tiny.yaml"], []),
+    "async": (ASYNC, []),
+    # replicas load new weights with their requests frozen instead of draining them first
+    "async-in-flight": (ASYNC, ["rollout.weight_update=in_flight"]),
 }
 
 
 def run(mode: str, seed: int, steps: int, out: Path, extra: list[str]) -> Path:
     name = f"{mode}-seed{seed}"
     command = [sys.executable, "-m", "cagrpo_ray.run"]
-    for config in MODES[mode]:
+    configs, own = MODES[mode]
+    for config in configs:
         command += ["--config", config]
     for override in (
         f"run.name={name}",
@@ -50,6 +57,7 @@ def run(mode: str, seed: int, steps: int, out: Path, extra: list[str]) -> Path:
         f"run.seed={seed}",
         "run.checkpoint_every=0",
         "metrics.enabled=false",
+        *own,
         *extra,
     ):
         command += ["--set", override]
@@ -87,6 +95,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=["sync", "async"],
+                        help="the first is the reference of the paired table")  # fmt: skip
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--title", default=None, help="heading of this result section")
     parser.add_argument("--out", type=Path, default=None)
@@ -96,28 +106,30 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench_async_"))
     results: dict[tuple[str, int], dict] = {}
     for seed in args.seeds:
-        for mode in MODES:
+        for mode in args.modes:
             run_dir = run(mode, seed, args.steps, work, args.overrides)
             results[mode, seed] = measure(run_dir, args.warmup)
 
-    paired, ratios, diffs = [], [], []
-    for seed in args.seeds:
-        s, a = results["sync", seed], results["async", seed]
-        ratio = s["step_s"] / a["step_s"]
-        d = (np.array(a["per_prompt"]) - np.array(s["per_prompt"])) / s["samples"]
+    reference, paired = args.modes[0], []
+    for mode in args.modes[1:]:
+        ratios, diffs = [], []
+        for seed in args.seeds:
+            s, a = results[reference, seed], results[mode, seed]
+            ratio = s["step_s"] / a["step_s"]
+            d = (np.array(a["per_prompt"]) - np.array(s["per_prompt"])) / s["samples"]
+            se = d.std(ddof=1) / math.sqrt(len(d))
+            ratios.append(ratio)
+            diffs.append(d)
+            paired.append([mode, seed, f"{ratio:.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
+        d = np.concatenate(diffs)
         se = d.std(ddof=1) / math.sqrt(len(d))
-        ratios.append(ratio)
-        diffs.append(d)
-        paired.append([seed, f"{ratio:.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
-    d = np.concatenate(diffs)
-    se = d.std(ddof=1) / math.sqrt(len(d))
-    paired.append(["all", f"{np.mean(ratios):.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
+        paired.append([mode, "all", f"{np.mean(ratios):.2f}x", f"{d.mean():+.3f} +- {se:.3f}"])
 
     if args.out and not args.append:
         args.out.write_text("")  # without --append the section replaces the file
     sets = "".join(f" --set {o}" for o in args.overrides)
     report(
-        args.title or f"Sync vs async training, {args.steps} learner steps per run",
+        args.title or f"{' vs '.join(args.modes)} training, {args.steps} learner steps per run",
         [
             "seed",
             "mode",
@@ -144,12 +156,18 @@ def main() -> None:
         out=args.out,
         notes=[
             markdown_table(
-                ["seed", "sync s/step / async s/step", "async - sync pass@1 (paired, +- 1 SE)"],
+                [
+                    "mode",
+                    "seed",
+                    f"{reference} s/step / its s/step",
+                    f"its pass@1 - {reference}'s (paired, +- 1 SE)",
+                ],
                 paired,
-            )
+            )  # fmt: skip
         ],
         command=f".venv/bin/python benchmarks/bench_async.py --steps {args.steps} "
-        f"--seeds {' '.join(map(str, args.seeds))} --warmup {args.warmup}{sets}",
+        f"--seeds {' '.join(map(str, args.seeds))} --warmup {args.warmup} "
+        f"--modes {' '.join(args.modes)}{sets}",
     )
 
 
