@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import ray
 import torch
@@ -34,6 +36,7 @@ from transformers import AutoModelForCausalLM
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import resolve_policy
+from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 from cagrpo_ray.scheduler import admissible_groups
 from cagrpo_ray.trainer import Trainer
 
@@ -90,6 +93,7 @@ class RecordingTrainer(Trainer):
         self.trained_groups: list[int] = []
         self.at_close: dict = {}
         self.killed_at: int | None = None
+        self.killed_processes: list = []
         self._kill_at = kill_replica_at
 
     def setup(self):
@@ -113,7 +117,10 @@ class RecordingTrainer(Trainer):
         while self.step < self._kill_at:
             time.sleep(0.05)
         self.killed_at = self.step
-        ray.kill(self.pool.actors[1], no_restart=False)
+        victim = self.pool.actors[1]
+        replica = psutil.Process(ray.get(victim.ready.remote())["pid"])
+        self.killed_processes = [replica, *replica.children(recursive=True)]  # vLLM's too
+        ray.kill(victim, no_restart=False)
 
     def close(self):
         if self.pool is not None and self.scheduler is not None:
@@ -127,6 +134,7 @@ class RecordingTrainer(Trainer):
 
 @pytest.fixture(scope="module")
 def local_ray():
+    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")  # as cagrpo_ray.run starts its cluster
     ray.init(num_cpus=3, include_dashboard=False)
     yield
     ray.shutdown()
@@ -140,6 +148,13 @@ def reference_run(request, local_ray, tmp_path_factory):
     trainer = RecordingTrainer(config)
     summary = trainer.run()
     return staleness, tmp_path, summary, trainer
+
+
+def running(process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def records_of(tmp_path, name):
@@ -237,6 +252,10 @@ def test_resume_with_a_killed_generator(reference_run):
 
     assert summary["final_step"] == end
     assert trainer.killed_at is not None and trainer.at_close["restarts"] >= 1
+    # the killed replica took its vLLM engine's processes with it (test_replica_exit.py)
+    assert len(trainer.killed_processes) >= 2, "the replica had no engine process to check"
+    left = [p.pid for p in trainer.killed_processes if running(p)]
+    assert not left, f"processes of the killed replica still run: {left}"
     assert trainer.at_close["versions"] == [end, end]  # the replacement serves the policy
     resumed = records_of(tmp_path, "resumed")
     assert sorted(resumed) == list(range(1, end + 1))
