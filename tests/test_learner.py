@@ -339,3 +339,64 @@ def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
     assert math.isfinite(metrics["policy/kl_step_k1"])  # k1: unbiased on sampled tokens only
     quiet = several_updates(policy_path, one_rank).train_step(batch)
     assert "policy/kl_step" not in quiet
+
+
+@pytest.mark.integration
+def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(tmp_path, one_rank):
+    """The head runs once per chunk of positions (`TokenScorer`); under ZeRO-3 a module's
+    parameters are gathered when it runs and may be released after, so a head gathered per
+    chunk would cost a full all-gather of it per chunk (~18 a pass for the 7B recipe's 1 GB
+    head). DeepSpeed (0.19.8) registers the head's weight as an external parameter of the
+    scorer, which keeps it gathered for the scorer's whole pass: counted here, the head is
+    partitioned as often in a step whose logits run in 16-position chunks (dozens of head
+    calls, a different number each step) as with one chunk, and the log-probs stay the
+    recomputed ones."""
+    from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    # above DeepSpeed's persistence threshold (1e5 elements), so the head is partitioned
+    path = random_policy(tmp_path / "policy", seed=0, hidden_size=512, num_layers=2,
+                         num_heads=8, intermediate_size=512)  # fmt: skip
+    cls = coordinator.PartitionedParameterCoordinator
+    release = cls._PartitionedParameterCoordinator__release_param
+    counts = {"released": 0, "calls": 0}
+    head_weight = {}
+
+    def counting_release(self, param, *args, **kwargs):
+        out = release(self, param, *args, **kwargs)
+        if param is head_weight.get("w") and param.ds_status == ZeroParamStatus.NOT_AVAILABLE:
+            counts["released"] += 1
+        return out
+
+    per_setting = {}
+    cls._PartitionedParameterCoordinator__release_param = counting_release
+    try:
+        for mib in (0.05, 1024.0):  # 16 positions a chunk; one chunk
+            learner = Learner(
+                LearnerSettings(str(path), zero_stage=3, lr=1e-3, micro_batch_size=8,
+                                logits_chunk_mib=mib, gradient_checkpointing=True),
+                LossSpec("cagrpo"), **one_rank,
+            )  # fmt: skip
+            head = learner.engine.module.policy.get_output_embeddings()
+            head_weight["w"] = head.weight
+            hook = head.register_forward_pre_hook(
+                lambda *_: counts.update(calls=counts["calls"] + 1)
+            )
+            steps = []
+            for step in range(3):
+                before = hf_model(path, snapshot(learner))
+                batch = random_batch(seed=step, width=40 + 16 * step)  # other widths each step
+                batch["behavior_logprobs"] = hf_logprobs(before, batch) * batch["response_mask"]
+                counts.update(released=0, calls=0)
+                metrics = learner.train_step(batch)
+                assert metrics["logprob/mismatch_max"] < 1e-5
+                steps.append((counts["released"], counts["calls"]))
+            hook.remove()
+            per_setting[mib] = steps
+    finally:
+        cls._PartitionedParameterCoordinator__release_param = release
+    one, many = per_setting[1024.0], per_setting[0.05]
+    assert all(calls >= 4 * one_calls for (_, calls), (_, one_calls) in zip(many, one, strict=True))
+    assert len({calls for _, calls in many}) > 1  # the chunk count changed between steps
+    assert [r for r, _ in many] == [r for r, _ in one], per_setting
+    assert all(r > 0 for r, _ in one)  # the head is partitioned between passes at all

@@ -32,7 +32,7 @@ from cagrpo_ray.learner.distributed import (
     set_rng_state,
 )
 from cagrpo_ray.learner.ppo import PPOSteps
-from cagrpo_ray.learner.scorer import TokenScorer
+from cagrpo_ray.learner.scorer import TokenScorer, keep_head_gathered
 from cagrpo_ray.learner.settings import LearnerSettings
 
 _CHECKPOINT_TAG = "learner"
@@ -106,6 +106,8 @@ class Learner(PPOSteps):
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
+        if self.zero_stage == 3:
+            keep_head_gathered(model)
         self.device = self.engine.device
         self.ref_model = None
         ref_path = settings.ref_model_path or (self.model_path if loss.kl_coef > 0 else None)
@@ -151,6 +153,7 @@ class Learner(PPOSteps):
                 "steps_per_print": self.ds_config["steps_per_print"],
             }
             engine, _, _, _ = deepspeed.initialize(model=model, config=config)
+            keep_head_gathered(model)
             return engine
         return model.to(self.device)
 

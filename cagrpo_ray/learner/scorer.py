@@ -121,6 +121,19 @@ class TokenScorer(torch.nn.Module):
         return logprob, logz - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
+def keep_head_gathered(scorer: TokenScorer) -> None:
+    """Under ZeRO-3 (after `deepspeed.initialize`): keep the output head's weight gathered for
+    the scorer's whole pass. ZeRO-3 gathers a module's parameters when it runs and releases
+    them after; the head runs once per chunk of positions, so it would be all-gathered once a
+    chunk (tests/test_learner.py counts it: as many releases as head calls). As an external
+    parameter of the scorer it is gathered when the scorer's forward (and backward) starts
+    and released when it ends."""
+    import deepspeed
+
+    head = scorer.policy.get_output_embeddings()
+    deepspeed.zero.register_external_parameter(scorer, head.weight)
+
+
 def _scattered(values: Tensor, keep: Tensor | None, n: int) -> Tensor:
     """The values of positions `keep` in a length-n vector of zeros (`values` when all kept)."""
     if keep is None:
