@@ -16,7 +16,7 @@ command loses at most 10 steps. Runs execute from a pinned snapshot of the packa
 they read have finished. `--aggregate-only` only rewrites the table,
 `docs/results/evidence3/runs.md`.
 
-The study outlives the machine it runs on through `docs/results/evidence3/runs/` (committed):
+The study outlives the machine it runs on through `docs/results/evidence3/kept/` (committed):
 each finished run's metrics, summary, provenance and config, its test-split results, and the
 pinned commit. A new run folder starts from that archive, so the plan carries on where the
 last machine stopped. A run's final policy (540 MB) does not travel, so each grid and seeds
@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 PYTHON = str(REPO / ".venv/bin/python")
 TEST_SETTINGS = {"T0.7": ("0.7", "4"), "T0": ("0", "1")}  # temperature, samples a prompt
 EVIDENCE = REPO / "docs/results/evidence3"  # the anatomy's results, committed
-ARCHIVE = EVIDENCE / "runs"  # what outlives a machine of the training runs, committed
+ARCHIVE = EVIDENCE / "kept"  # what outlives a machine of the training runs, committed
 KEPT = ("metrics.jsonl", "summary.json", "provenance.json", "config.json")
 # Estimates for --finish-by before any run has finished here: seconds a step (start-up and
 # evaluations included) and seconds of one run's test evaluation (1,024 + 256 completions).
