@@ -1,0 +1,173 @@
+"""Multi-turn episodes (cagrpo_ray/env): the tools, the token-in token-out episode loop, and
+that the loss never trains on the environment's tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cagrpo_ray.algo import policy_loss
+from cagrpo_ray.env import ToolEnvironment, calculate, run_calculator, run_episode, run_python
+from cagrpo_ray.env.tools import MAX_MAGNITUDE, ToolError
+from cagrpo_ray.rollout.types import Completion
+
+pytestmark = pytest.mark.unit
+
+
+def random_expression(rng: random.Random, depth: int = 0) -> str:
+    if depth > 2 or rng.random() < 0.3:
+        return str(rng.randint(0, 999)) if rng.random() < 0.8 else f"{rng.uniform(0, 99):.3f}"
+    op = rng.choice(["+", "-", "*", "/", "//", "%"])
+    left, right = random_expression(rng, depth + 1), random_expression(rng, depth + 1)
+    sign = rng.choice(["", "-", "+"])
+    return f"{sign}({left} {op} {right})"
+
+
+def test_the_calculator_agrees_with_python_on_fresh_random_expressions():
+    rng = random.Random()  # fresh inputs every run
+    checked = 0
+    for _ in range(300):
+        expression = random_expression(rng)
+        try:
+            want = eval(expression, {"__builtins__": {}})  # the independent reference
+        except ZeroDivisionError:
+            with pytest.raises(ToolError, match="division by zero"):
+                calculate(expression)
+            continue
+        if abs(want) > MAX_MAGNITUDE:
+            continue
+        assert calculate(expression) == pytest.approx(want, rel=1e-12, abs=1e-12), expression
+        checked += 1
+    assert checked > 200
+
+
+@pytest.mark.parametrize(
+    "expression, why",
+    [
+        ("__import__('os').system('true')", "not allowed"),
+        ("x + 1", "not allowed"),
+        ("(1).__class__", "not allowed"),
+        ("9 ** 9 ** 9", "exponent"),
+        ("10 ** 40", "too large"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "not an arithmetic expression"),
+        ("[1, 2]", "not allowed"),
+    ],
+)
+def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression, why):
+    result = run_calculator(expression)
+    assert result.status == "error" and why in result.text
+
+
+def test_python_runs_in_the_sandbox_and_every_failure_is_a_message():
+    assert run_python("print(6 * 7)").text == "42"
+    hang = run_python("while True: pass", wall_s=3.0)
+    assert hang.status == "timeout" and "3 s limit" in hang.text
+    crash = run_python("raise ValueError('boom')")
+    assert crash.status == "error" and crash.text.startswith("error:")
+    long = run_python("print('x' * 2000)", max_output_chars=50)
+    assert long.status == "ok" and len(long.text) < 120 and "cut at 50" in long.text
+    flood = run_python("print('x' * 100000)")
+    assert flood.status == "error" and "printed more than" in flood.text
+
+
+def test_the_environment_answers_a_call_at_the_end_of_a_turn_only():
+    env = ToolEnvironment(("calculator",))
+    assert env.reply("So <tool>calculator: 12 * 34</tool>").text == "<result>408</result>"
+    assert env.reply("no call: the answer is 7").done
+    unknown = env.reply("<tool>search: cats</tool>")
+    assert unknown.status == "error" and "no tool 'search'" in unknown.text
+    with pytest.raises(ValueError, match="unknown tools"):
+        ToolEnvironment(("browser",))
+
+
+class ScriptedPolicy:
+    """Stands in for the engine in this unit of the episode loop: answers each turn with the
+    next scripted text, one token per character, and records every context it was given."""
+
+    def __init__(self, turns: list[str]):
+        self.turns, self.contexts = list(turns), []
+
+    def __call__(self, context: list[int], max_tokens: int, stop) -> Completion:
+        self.contexts.append(list(context))
+        text = self.turns.pop(0)
+        tokens = [ord(c) for c in text][:max_tokens]
+        finish = "stop" if len(tokens) == len(text) else "length"
+        logprobs = [-0.01 * (i + 1) for i in range(len(tokens))]
+        return Completion(list(context), tokens, logprobs, text[: len(tokens)], finish, 3)
+
+
+def encode(text: str) -> list[int]:
+    return [1000 + ord(c) for c in text]  # environment tokens: told apart in the checks
+
+
+def test_an_episode_is_its_sampled_tokens_and_the_environments_turn_by_turn():
+    prompt = [1, 2, 3]
+    policy = ScriptedPolicy(["a<tool>calculator: 2+3</tool>", "so 5"])
+    episode = run_episode(policy, ToolEnvironment(), encode, prompt, max_turns=4, max_tokens=200)
+    first, reply, second = "a<tool>calculator: 2+3</tool>", "<result>5</result>", "so 5"
+    want = [ord(c) for c in first] + encode(reply) + [ord(c) for c in second]
+    assert episode.token_ids == want
+    assert episode.from_policy == [True] * len(first) + [False] * len(reply) + [True] * 4
+    # every turn was sampled from the conversation so far, as token ids, never re-tokenised
+    assert policy.contexts == [prompt, prompt + want[: len(first) + len(reply)]]
+    assert [lp for lp, mine in zip(episode.logprobs, episode.from_policy, strict=True)
+            if not mine] == [0.0] * len(reply)  # fmt: skip
+    assert (episode.turns, episode.tool_calls, episode.finish_reason) == (2, 1, "stop")
+    assert episode.policy_version == 3
+
+
+def test_the_token_budget_and_the_turn_limit_end_an_episode():
+    call = "<tool>calculator: 1/0</tool>"
+    cut = run_episode(ScriptedPolicy([call, "x" * 50]), ToolEnvironment(), encode, [1],
+                      max_turns=4, max_tokens=len(call) + 5)  # fmt: skip
+    assert len(cut.token_ids) == len(call) + 5 and cut.finish_reason == "length"
+    assert cut.tool_errors == 1  # division by zero, read back as a message
+    loop = run_episode(ScriptedPolicy([call] * 2), ToolEnvironment(), encode, [1],
+                       max_turns=2, max_tokens=500)  # fmt: skip
+    assert loop.finish_reason == "turns" and loop.tool_calls == 2
+
+
+@pytest.mark.parametrize("loss", ["grpo", "cagrpo"])
+def test_environment_tokens_carry_no_loss_and_no_kernel_statistics(loss):
+    """The same responses with environment tokens spliced in (mask 0, arbitrary log-probs)
+    give the loss of the responses alone, and no gradient at the environment's positions:
+    the kernel's group statistics run over policy tokens only."""
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    rows, width, groups = 8, 12, 2
+    new = torch.randn(rows, width, generator=g) * 0.3 - 1.0
+    old = new.detach() + torch.randn(rows, width, generator=g) * 0.05
+    advantages = torch.randn(rows, generator=g)
+    group_ids = torch.arange(groups).repeat_interleave(rows // groups)
+    lengths = torch.randint(4, width + 1, (rows,), generator=g)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    # splice 5 environment tokens into each row at a random place
+    env_len, spliced = 5, width + 5
+    old_lp = torch.randn(rows, spliced, generator=g)  # garbage where the environment spoke
+    smask = torch.zeros(rows, spliced, dtype=torch.bool)
+    env_at = torch.zeros(rows, spliced, dtype=torch.bool)
+    columns = []
+    for r in range(rows):
+        cut = int(torch.randint(1, int(lengths[r]), (1,), generator=g))
+        keep = list(range(cut)) + list(range(cut + env_len, spliced))
+        columns.append(keep[:width])
+        env_at[r, cut : cut + env_len] = True
+    leaf = new.clone().requires_grad_(True)
+    spliced_lp = torch.randn(rows, spliced, generator=g).requires_grad_(True)
+    for r in range(rows):
+        index = torch.tensor(columns[r])
+        old_lp[r, index] = old[r]
+        smask[r, index] = mask[r]
+    with torch.no_grad():  # the policy positions carry the same values as the compact rows
+        for r in range(rows):
+            spliced_lp[r, torch.tensor(columns[r])] = new[r]
+    compact = policy_loss(loss, leaf, old, advantages, mask, group_ids).loss
+    with_env = policy_loss(loss, spliced_lp, old_lp, advantages, smask, group_ids).loss
+    assert with_env.item() == pytest.approx(compact.item(), rel=1e-6, abs=1e-7)
+    with_env.backward()
+    compact.backward()
+    assert torch.all(spliced_lp.grad[env_at] == 0)  # exactly: no loss at the environment
+    for r in range(rows):
+        torch.testing.assert_close(spliced_lp.grad[r, torch.tensor(columns[r])], leaf.grad[r])
