@@ -170,3 +170,20 @@ def test_load_weights_changes_the_policy_and_version(engine, prompts, policy_dir
     assert {g[0].policy_version for g in after} == {7}
     restored = engine.generate(prompts, greedy)
     assert [g[0].token_ids for g in restored] == [g[0].token_ids for g in before]
+
+
+def test_stop_strings_end_a_sample_where_they_appear(engine, prompts):
+    """A multi-turn episode's turn ends at a tool call's closing string (`cagrpo_ray/env`):
+    the sample ends with the token that completes it, which stays in the sample."""
+    stop = ("1", "2", "3")  # characters of the char-level policy, in no special token
+    sampling = SamplingConfig(n=4, temperature=1.0, max_tokens=48, seed=11, stop=stop)
+    by_stop = 0
+    for group in engine.generate(prompts, sampling):
+        for c in group:
+            assert len(c.logprobs) == len(c.token_ids)
+            if c.finish_reason == "stop" and c.text and c.text[-1] in stop:
+                by_stop += 1
+                assert not any(s in c.text[:-1] for s in stop), c.text
+            else:  # the end of sequence, or the budget, before any stop string
+                assert not any(s in c.text for s in stop), (c.finish_reason, c.text)
+    assert by_stop > 0

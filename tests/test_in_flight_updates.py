@@ -30,7 +30,7 @@ LOGPROB_ATOL = 1e-4  # as tests/test_engines.py: measured ~1e-6 on this CPU
 def test_a_sample_put_together_from_deltas_and_its_loads():
     class Delta:
         def __init__(self, ids, finish=None):
-            self.token_ids, self.finish_reason = ids, finish
+            self.token_ids, self.finish_reason, self.stop_reason = ids, finish, None
             self.logprobs = [{t: type("L", (), {"logprob": -float(t)})()} for t in ids]
 
     sample = _Streamed()

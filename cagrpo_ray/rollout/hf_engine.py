@@ -56,6 +56,16 @@ class HFEngine:
         self._rng_state = _seeded_rng_state(seed, self.device)
         self._receiver: WeightReceiver | None = None
 
+    def _stop_string_end(self, tokens: list[int], stop: tuple[str, ...]) -> int | None:
+        """The token count up to the token that completes the first of `stop`, or None."""
+        if not stop:
+            return None
+        for end in range(1, len(tokens) + 1):
+            text = self.tokenizer.decode(tokens[:end], skip_special_tokens=False)
+            if any(s in text for s in stop):
+                return end
+        return None
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], sampling: SamplingConfig
@@ -137,6 +147,10 @@ class HFEngine:
             shown = tokens[:-1]  # as vLLM, the stop token is not in the text
         else:
             tokens, logprobs, finish = tokens[:budget], logprobs[:budget], "length"
+            shown = tokens
+        cut = self._stop_string_end(shown, sampling.stop)
+        if cut is not None:  # as if sampling had stopped there: later tokens never existed
+            tokens, logprobs, finish = tokens[:cut], logprobs[:cut], "stop"
             shown = tokens
         return Completion(
             prompt_token_ids=prompt,

@@ -20,6 +20,9 @@ class SamplingConfig:
     top_k: int = 0  # 0 = disabled
     max_tokens: int = 64  # completion tokens
     seed: int | None = None  # None: the engine's own seeded stream
+    # Strings that end a sample besides the end of sequence (a multi-turn episode's tool call,
+    # `cagrpo_ray/env`); the stop string stays in the sample, finish_reason "stop".
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n < 1:

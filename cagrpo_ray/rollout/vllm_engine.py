@@ -199,7 +199,10 @@ class VLLMEngine:
             seed=None if sampling.seed is None else prompt_seed(sampling.seed, index),
             logprobs=0,  # the sampled token's log-prob only
             flat_logprobs=True,
-            detokenize=False,
+            # stop strings are matched on text: only then does vLLM detokenize as it samples
+            stop=list(sampling.stop) or None,
+            include_stop_str_in_output=True,
+            detokenize=bool(sampling.stop),
             # in-flight mode follows each sample's tokens as they come (where a load cuts it)
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
@@ -348,8 +351,10 @@ def checkpoint_dtype(model_path: str | Path) -> str:
 
 
 def _shown_tokens(sample) -> list[int]:
-    """The tokens the text shows: all but the stop token that ended a "stop" sample."""
-    return list(sample.token_ids[:-1] if sample.finish_reason == "stop" else sample.token_ids)
+    """The tokens the text shows: all but the stop token that ended a "stop" sample (a stop
+    string, `SamplingConfig.stop`, stays: vLLM's `stop_reason` is then that string)."""
+    by_token = sample.finish_reason == "stop" and not isinstance(sample.stop_reason, str)
+    return list(sample.token_ids[:-1] if by_token else sample.token_ids)
 
 
 def _completion(
@@ -386,6 +391,7 @@ class _Streamed:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
     def add(self, delta) -> None:
         ids = list(delta.token_ids)
@@ -393,6 +399,7 @@ class _Streamed:
             self.token_ids += ids
             self.logprobs += _sampled_logprobs(delta.logprobs, ids)
         self.finish_reason = delta.finish_reason or self.finish_reason
+        self.stop_reason = delta.stop_reason if delta.stop_reason is not None else self.stop_reason
 
 
 def _sampled_logprobs(logprobs, token_ids: list[int]) -> list[float]:
