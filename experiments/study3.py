@@ -345,8 +345,9 @@ def main(argv: list[str] | None = None) -> int:
         if not todo:
             break
         run = todo[0]
-        if args.finish_by and expected_s(run, out) > seconds_until(args.finish_by):
-            print(f"[study3] {run.name} (~{expected_s(run, out) / 60:.0f} min) would not end "
+        expected = expected_s(run, out) if args.finish_by else 0.0
+        if args.finish_by and expected > seconds_until(args.finish_by):
+            print(f"[study3] {run.name} (~{expected / 60:.0f} min) would not end "
                   f"by {args.finish_by} UTC: not started", flush=True)  # fmt: skip
             return 0
         execute(run, out, commit, src, argv=train_command(run, out))

@@ -134,8 +134,8 @@ def run_episode(
         episode.tool_seconds += reply.seconds
         observation = encode(reply.text)
         room = max_tokens - len(episode.token_ids)
-        episode.add(observation[:room], False, [0.0] * min(room, len(observation)),
-                    completion.policy_version)  # fmt: skip
+        shown = observation[:room]
+        episode.add(shown, False, [0.0] * len(shown), completion.policy_version)
         if len(observation) >= room:
             episode.finish_reason = "length"
             return episode

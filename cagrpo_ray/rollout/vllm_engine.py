@@ -260,7 +260,8 @@ class VLLMEngine:
         if not self.in_flight_updates:
             result = load()
             self._run(self.engine.reset_prefix_cache())
-            self.policy_version = self.policy_version if version is None else version
+            if version is not None:
+                self.policy_version = version
             return result
         progress = self._run(self._pause())
         try:
