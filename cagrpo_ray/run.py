@@ -104,6 +104,7 @@ REPORT_ROWS = (  # (label, key in the eval results, format)
     ("pass@k", None, "{:.3f}"),  # the largest k evaluated
     ("maj@k", None, "{:.3f}"),
     ("mean response tokens", "mean_response_tokens", "{:.1f}"),
+    ("responses calling a tool", "tool_call_fraction", "{:.3f}"),
     ("sampled-token entropy (nats)", "mean_sampled_token_nll", "{:.3f}"),
 )
 
@@ -117,6 +118,8 @@ def final_report(summary: dict) -> str:
         if key is None:
             key = f"{label[:-1]}{k}"
             label = key
+        if key == "tool_call_fraction" and key not in before and key not in after:
+            continue  # a single-turn run
         cells = [fmt.format(e[key]) if key in e else "-" for e in (before, after)]
         lines.append(f"{label:<30}{cells[0]:>10}{cells[1]:>10}")
     step_s = (summary.get("time/step") or {}).get("mean")

@@ -237,7 +237,7 @@ class Scheduler:
         self._dispatch()
         step_time = time.perf_counter() - t_start
 
-        metrics = rollout_metrics(table, cfg.rollout.group_size)
+        metrics = rollout_metrics(table, cfg.rollout.group_size, cfg.rollout.max_turns > 1)
         metrics.update(
             {f"learner/{k}" if "/" not in k else k: v for k, v in learner_metrics.items()}
         )

@@ -30,6 +30,7 @@ import ray
 
 from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
+from cagrpo_ray.env.episode import environment_options
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.placement import Placement
@@ -172,7 +173,13 @@ class Trainer:
             GeneratorActor.options(
                 **self.placement.generator(replica),
                 runtime_env={"env_vars": self._generator_env(replica)},
-            ).remote(replica, cfg.rollout.engine, self.model_path, engine_options(cfg, replica))
+            ).remote(
+                replica,
+                cfg.rollout.engine,
+                self.model_path,
+                engine_options(cfg, replica),
+                environment_options(cfg),
+            )
             for replica in range(cfg.rollout.num_generators)
         ]
         self.pool = GeneratorPool(
@@ -315,7 +322,8 @@ class Trainer:
             sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
             return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
                             instruction=instruction_text(cfg), details=details,
-                            extract_answer=answer_extractor(cfg.reward.weights))  # fmt: skip
+                            extract_answer=answer_extractor(cfg.reward.weights),
+                            multi_turn=cfg.rollout.max_turns > 1)  # fmt: skip
 
         result = at(self.eval_items, cfg.eval.temperature, True)
         sets = [("", self.eval_items)] + ([("hard/", self.hard_items)] if self.hard_items else [])

@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -103,3 +104,59 @@ def test_bad_groups_are_rejected_with_their_id():
         group_record_batch("p7", 7, completions, [0.0] * 4, [False] * 4, [0.0] * 4)
     with pytest.raises(ValueError, match="4 completions but 3 rewards"):
         group_record_batch("p7", 7, completions[1:] + completions[1:2], [0.0] * 3, [0] * 4, [0] * 4)
+
+
+def test_environment_tokens_are_context_in_the_learner_batch_and_counted_apart():
+    """A multi-turn row's tool-result tokens sit in `input_ids` and `attention_mask` (the
+    policy reads them) but not in `response_mask` (nothing trains on them)."""
+    from cagrpo_ray.rollout.scoring import rollout_metrics
+    from cagrpo_ray.rollout.types import Completion
+
+    rng = np.random.default_rng()  # fresh inputs every run
+    completions, masks = [], []
+    for _ in range(8):
+        prompt = rng.integers(3, 50, size=int(rng.integers(1, 6))).tolist()
+        length = int(rng.integers(1, 20))
+        mine = rng.random(length) < 0.6
+        mine[0] = True
+        mask = None if mine.all() and rng.random() < 0.5 else mine.tolist()
+        masks.append(mine if mask is not None else np.ones(length, bool))
+        tokens = rng.integers(3, 50, size=length).tolist()
+        logprobs = np.where(mine, -rng.random(length), 0.0).tolist()
+        completions.append(Completion(prompt, tokens, logprobs, "", "stop", 0, from_policy=mask,
+                                      turns=int(rng.integers(1, 4)),
+                                      tool_calls=int((~mine).any()), tool_seconds=0.5))  # fmt: skip
+    table = pa.Table.from_batches([group_record_batch("p", 0, completions, [0.0] * 8,
+                                                      [False] * 8, [1.0] * 8)])  # fmt: skip
+    batch = to_learner_batch(table, pad_token_id=0)
+    for row, (c, mine) in enumerate(zip(completions, masks, strict=True)):
+        p, n = len(c.prompt_token_ids), len(c.token_ids)
+        assert batch["input_ids"][row, p : p + n].tolist() == c.token_ids
+        assert batch["attention_mask"][row].sum() == p + n
+        want = np.zeros(batch["input_ids"].shape[1], bool)
+        want[p : p + n] = mine
+        assert batch["response_mask"][row].numpy().tolist() == want.tolist()
+    metrics = rollout_metrics(table, group_size=8, multi_turn=True)
+    env_tokens = sum(int((~m).sum()) for m in masks)
+    assert metrics["env/environment_token_fraction"] == pytest.approx(
+        env_tokens / sum(len(c.token_ids) for c in completions)
+    )
+    assert metrics["env/tool_calls"] == sum(c.tool_calls for c in completions)
+    assert metrics["env/turns_mean"] == pytest.approx(np.mean([c.turns for c in completions]))
+    assert metrics["env/tool_seconds"] == pytest.approx(4.0)
+    assert "env/turns_mean" not in rollout_metrics(table, group_size=8)
+
+
+def test_a_buffer_saved_before_the_multi_turn_columns_loads_as_single_turn():
+    rng = np.random.default_rng(3)
+    batch, _ = random_group(rng, 1)
+    old = pa.Table.from_batches([batch]).drop_columns(
+        ["policy_mask", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds"]
+    )
+    buffer = RolloutBuffer()
+    buffer.load_table(old)
+    table = buffer.to_table()
+    assert table.column("turns").to_pylist() == [1] * 4
+    assert table.column("policy_mask").null_count == 4
+    assert to_learner_batch(table, 0)["response_mask"].tolist() == to_learner_batch(
+        pa.Table.from_batches([batch]), 0)["response_mask"].tolist()  # fmt: skip

@@ -62,14 +62,15 @@ def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression, why)
 
 
 def test_python_runs_in_the_sandbox_and_every_failure_is_a_message():
-    assert run_python("print(6 * 7)").text == "42"
+    roomy = 15.0  # the calls that should not time out get room for a loaded machine
+    assert run_python("print(6 * 7)", wall_s=roomy).text == "42"
     hang = run_python("while True: pass", wall_s=3.0)
     assert hang.status == "timeout" and "3 s limit" in hang.text
-    crash = run_python("raise ValueError('boom')")
+    crash = run_python("raise ValueError('boom')", wall_s=roomy)
     assert crash.status == "error" and crash.text.startswith("error:")
-    long = run_python("print('x' * 2000)", max_output_chars=50)
+    long = run_python("print('x' * 2000)", wall_s=roomy, max_output_chars=50)
     assert long.status == "ok" and len(long.text) < 120 and "cut at 50" in long.text
-    flood = run_python("print('x' * 100000)")
+    flood = run_python("print('x' * 100000)", wall_s=roomy)
     assert flood.status == "error" and "printed more than" in flood.text
 
 
@@ -171,3 +172,75 @@ def test_environment_tokens_carry_no_loss_and_no_kernel_statistics(loss):
     assert torch.all(spliced_lp.grad[env_at] == 0)  # exactly: no loss at the environment
     for r in range(rows):
         torch.testing.assert_close(spliced_lp.grad[r, torch.tensor(columns[r])], leaf.grad[r])
+
+
+class BatchScript:
+    """Stands in for an engine's batch `generate` in this unit of `run_episodes`: sample j of
+    prompt p says `script[(p[0], j)][turn]`; records every call. A later turn's context is
+    told by its prompt and its first turn (unique in the script below)."""
+
+    def __init__(self, script: dict, later_version: int):
+        self.script, self.calls, self.later_version = script, [], later_version
+
+    def __call__(self, prompts, sampling):
+        self.calls.append((prompts, sampling))
+        first = len(self.calls) == 1
+        groups = []
+        for prompt in prompts:
+            if first:
+                texts = [self.script[(prompt[0], j)][0] for j in range(sampling.n)]
+            else:
+                turns = next(t for (p, _), t in self.script.items() if p == prompt[0]
+                             and _chars(prompt[2:]).startswith(t[0]))  # fmt: skip
+                texts = [turns[_chars(prompt).count("<result>")]]
+            group = []
+            for text in texts:
+                tokens = [ord(c) for c in text][: sampling.max_tokens]
+                finish = "stop" if len(tokens) == len(text) else "length"
+                version = 0 if first else self.later_version
+                group.append(Completion(list(prompt), tokens, [-0.5] * len(tokens),
+                                        text[: len(tokens)], finish, version))  # fmt: skip
+            groups.append(group)
+        return groups
+
+
+def _chars(tokens) -> str:
+    return "".join(chr(t - 1000 if t >= 1000 else t) for t in tokens)
+
+
+def test_run_episodes_samples_first_turns_in_one_request_and_goes_on_alone():
+    from dataclasses import replace
+
+    from cagrpo_ray.env import run_episodes
+    from cagrpo_ray.rollout.types import SamplingConfig
+
+    call = "<tool>calculator: 6*7</tool>"
+    script = {(7, 0): ["done 1"], (7, 1): [call, "it is 42"],
+              (8, 0): ["x" + call, call, "ok"], (8, 1): ["done 2"]}  # fmt: skip
+    engine = BatchScript(script, later_version=5)
+    prompts = [[7, 0], [8, 0]]
+    sampling = SamplingConfig(n=2, temperature=1.0, max_tokens=120, seed=9)
+    episodes = run_episodes(engine, ToolEnvironment(), encode, prompts, sampling, max_turns=4)
+    first_prompts, first_sampling = engine.calls[0]
+    assert first_prompts == prompts and first_sampling == replace(sampling, stop=("</tool>",))
+    # an episode whose first turn called no tool is the first request's sample as it was
+    lone = episodes[0][0]
+    assert (lone.token_ids, lone.from_policy, lone.turns) == ([ord(c) for c in "done 1"], None, 1)
+    later = engine.calls[1:]
+    assert len(later) == 3 and all(len(p) == 1 and s.n == 1 for p, s in later)
+    seeds = [s.seed for _, s in later]
+    assert len(set(seeds)) == len(seeds) and sampling.seed not in seeds
+    for (context,), s in later:  # every budget is the episode's room
+        assert s.max_tokens == sampling.max_tokens - (len(context) - 2)
+    going_on = episodes[0][1]
+    reply = encode("<result>42</result>")
+    assert going_on.token_ids == [ord(c) for c in call] + reply + [ord(c) for c in "it is 42"]
+    assert going_on.from_policy == [True] * len(call) + [False] * len(reply) + [True] * 8
+    assert going_on.logprobs == [-0.5] * len(call) + [0.0] * len(reply) + [-0.5] * 8
+    assert going_on.text == call + "<result>42</result>it is 42"
+    # the first turn was sampled by version 0, the next by 5: the oldest token counts, and the
+    # load sits at version 5's first token
+    assert going_on.policy_version == 0 and going_on.loads == [(len(call) + len(reply), 5)]
+    assert (episodes[1][0].turns, episodes[1][0].tool_calls, episodes[1][0].finish_reason) == (
+        3, 2, "stop")  # fmt: skip
+    assert episodes[1][1].from_policy is None

@@ -227,6 +227,29 @@ def test_records_take_the_masked_tokens_and_default_the_missing_arrays():
 
 
 @pytest.mark.unit
+def test_environment_text_shows_between_the_tokens_and_in_no_statistic():
+    """A multi-turn row's tool result is shown where it came, as context: no token span, so
+    no value, no colour and no place in the histograms or the tails."""
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+    values = torch.arange(8, dtype=torch.float32).view(2, 4)
+    table = records_from_arrays(
+        step=1, group_ids=[0, 0], prompt_uids=["a", "a"], prompt_texts=["p", "p"],
+        rewards=[1.0, 0.0], correct=[True, False], advantages=[0.5, -0.5],
+        policy_version=[0, 0], finish_reason=["stop", "stop"], token_ids=torch.zeros(2, 4),
+        token_texts=[["<tool>", "x", "</tool>", "42"], ["a", "b"]], response_mask=mask,
+        behavior_logprob=values, logprob=values, entropy=values, cov=values,
+        environment=[[(3, "<result>42</result>")], []],
+    )  # fmt: skip
+    page = render_page(table, {"step": 1}, [1])
+    assert re.search(r"&lt;/tool&gt;</span><em class=env[^>]*>&lt;result&gt;42&lt;/result&gt;"
+                     r"</em><span [^>]*>42</span>", page)  # fmt: skip
+    spans = TokenSpans()
+    spans.feed(page)
+    assert len(spans.tokens) == 6  # the policy's tokens only
+    assert table.column("environment").to_pylist()[1] is None
+
+
+@pytest.mark.unit
 def test_select_groups_picks_whole_groups_the_same_way_each_time():
     group_ids = np.repeat([5, 9, 2, 7, 11], 3)
     rows = select_groups(group_ids, 2, seed=4)

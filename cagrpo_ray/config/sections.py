@@ -178,6 +178,36 @@ class RolloutConfig(Section):
         description="Prompts one replica may hold at once (0: as many as the staleness bound "
         "admits). Each replica's engine batches all of them.",
     )
+    max_turns: int = Field(
+        1,
+        ge=1,
+        description="Policy turns per episode (1: single-turn). Above 1 a turn that ends in a "
+        "tool call (the env section) gets the tool's result and the policy goes on; "
+        "max_tokens then bounds the whole episode after the prompt, tool results included.",
+    )
+
+
+class EnvConfig(Section):
+    """The environment of multi-turn episodes (`rollout.max_turns` > 1; `cagrpo_ray/env`)."""
+
+    tools: list[Literal["calculator", "python"]] = Field(
+        default_factory=lambda: ["calculator"], description="Tools the policy may call."
+    )
+    call_open: str = Field("<tool>", description="Opens a tool call: <tool>name: input</tool>.")
+    call_close: str = Field("</tool>", description="Closes a tool call; ends the policy's turn.")
+    result_template: str = Field(
+        "<result>{output}</result>",
+        description="The environment's reply; {output} is the tool's output (a chat "
+        "template's own tool turn can go here).",
+    )
+    max_output_chars: int = Field(400, ge=16, description="A tool's output is cut past this.")
+    python_wall_s: float = Field(2.0, gt=0, description="Wall-time limit of a python call.")
+
+    @model_validator(mode="after")
+    def _template_has_output(self) -> EnvConfig:
+        if "{output}" not in self.result_template:
+            raise ValueError(f"env.result_template {self.result_template!r} lacks {{output}}")
+        return self
 
 
 class RewardConfig(Section):
@@ -295,6 +325,7 @@ class Config(Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The policy.")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompt sources.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Generators.")
+    env: EnvConfig = Field(default_factory=EnvConfig, description="Multi-turn tools.")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Verifiers.")
     algorithm: AlgorithmConfig = Field(
         default_factory=AlgorithmConfig, description="Advantages and policy loss."

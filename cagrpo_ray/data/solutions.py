@@ -31,15 +31,28 @@ def chain_sum_solution(item: PromptItem) -> str:
     return f"<think>{' '.join(steps)}</think><answer>{total}</answer>"
 
 
+def chain_sum_tool_solution(item: PromptItem) -> str:
+    """The same answer by a calculator call (`cagrpo_ray/env`): the expression goes to the
+    tool, its result comes back, and the answer repeats it."""
+    expression = item.metadata["expression"]
+    total = chain_sum_solution(item).rpartition("<answer>")[2].removesuffix("</answer>")
+    return (f"<think><tool>calculator: {expression}</tool><result>{total}</result></think>"
+            f"<answer>{total}</answer>")  # fmt: skip
+
+
 WORKED_SOLUTIONS: dict[str, Callable[[PromptItem], str]] = {"chain_sum": chain_sum_solution}
+# Worked solutions that call a tool (a multi-turn warm start's share of its examples).
+TOOL_SOLUTIONS: dict[str, Callable[[PromptItem], str]] = {"chain_sum": chain_sum_tool_solution}
 
 
-def worked_solution(item: PromptItem) -> str:
-    """The R1-format worked solution of a reasoning_gym item, by its `source_dataset`."""
+def worked_solution(item: PromptItem, tool: bool = False) -> str:
+    """The R1-format worked solution of a reasoning_gym item, by its `source_dataset`; with
+    `tool`, the one that calls the calculator."""
     name = item.metadata.get("source_dataset")
-    if name not in WORKED_SOLUTIONS:
+    table = TOOL_SOLUTIONS if tool else WORKED_SOLUTIONS
+    if name not in table:
         raise KeyError(
-            f"no worked solution for {name!r}; tasks with worked solutions: "
-            f"{sorted(WORKED_SOLUTIONS)}"
+            f"no worked solution{' with a tool' if tool else ''} for {name!r}; tasks with "
+            f"them: {sorted(table)}"
         )
-    return WORKED_SOLUTIONS[name](item)
+    return table[name](item)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 from cagrpo_ray.eval.metrics import k_values, maj_at_k, majority_answer, pass_at_k
@@ -22,6 +23,7 @@ def evaluate(
     *,
     details: bool = False,
     extract_answer: Callable[[str], str | None] = extract_final_answer,
+    multi_turn: bool = False,
 ) -> dict[str, Any]:
     """Sample `samples` responses per item and report accuracy, length and entropy.
 
@@ -39,13 +41,16 @@ def evaluate(
         details: also return `per_prompt`, one record per item.
         extract_answer: a response's final answer for the majority vote (by default the answer
             tag or box; `answer_extractor(weights)` gives the one the task verifier reads).
+        multi_turn: the engine plays multi-turn episodes (`cagrpo_ray/env`): report tool use.
 
     Returns a flat dict of numbers:
         `pass@1` (mean accuracy over all samples), `pass@k` for k in 1, 2, 4, ..., n (the
         unbiased estimator averaged over prompts), `maj@n` (majority vote over extracted
         answers, see `cagrpo_ray.eval.metrics.maj_at_k`), `mean_reward`, `mean_<verifier>`
         per reward component, `mean_response_tokens`, `truncated_fraction` (responses that hit
-        `max_tokens`), `verifier_errors`, and one entropy number, named for what it is:
+        `max_tokens`), `verifier_errors`, with `multi_turn` `tool_call_fraction` (the
+        responses that called a tool), `mean_tool_calls` and `tool_errors` (errors and
+        timeouts), and one entropy number, named for what it is:
         `mean_token_entropy` when every completion carries the engine's per-token entropies
         (an `entropies` list), else `mean_sampled_token_nll`: the mean of -log p(sampled token)
         over all sampled tokens. That is a one-sample Monte Carlo estimate of the entropy of
@@ -102,6 +107,11 @@ def evaluate(
     metrics["verifier_errors"] = sum(result.error is not None for result in results)
     metrics["mean_response_tokens"] = _mean([len(c.token_ids) for c in completions])
     metrics["truncated_fraction"] = _mean([c.finish_reason == "length" for c in completions])
+    if multi_turn:
+        # multi-turn episodes (`cagrpo_ray/env`): how often and how well the tools were used
+        metrics["tool_call_fraction"] = _mean([c.tool_calls > 0 for c in completions])
+        metrics["mean_tool_calls"] = _mean([c.tool_calls for c in completions])
+        metrics["tool_errors"] = sum(c.tool_errors + c.tool_timeouts for c in completions)
     metrics.update(_entropy(completions))
     if details:
         metrics["per_prompt"] = per_prompt
@@ -111,7 +121,12 @@ def evaluate(
 def _entropy(completions: list) -> dict[str, float]:
     if all(getattr(c, "entropies", None) is not None for c in completions):
         return {"mean_token_entropy": _mean([value for c in completions for value in c.entropies])}
-    logprobs = [value for c in completions for value in c.logprobs]
+    logprobs = [  # the policy's tokens only: a tool result's tokens were sampled by nobody
+        value
+        for c in completions
+        for value, mine in zip(c.logprobs, getattr(c, "from_policy", None) or repeat(True))  # noqa: B905
+        if mine
+    ]
     return {"mean_sampled_token_nll": -_mean(logprobs) if logprobs else math.nan}
 
 

@@ -52,6 +52,8 @@ main{padding:4px 18px 40px;max-width:1280px}
 .toks span[data-clipped="1"]{text-decoration:underline wavy #d35400}
 .toks span[data-sel]{outline:2px solid #e67e00;outline-offset:-1px}
 .toks span:hover{box-shadow:0 0 0 2px #000}
+.toks em.env{white-space:pre-wrap;background:#eef1f5;color:#555;border:1px dashed #8a96a8;
+padding:0 3px;margin:0 2px}
 .off{display:none!important}
 .dim .toks span.off{display:inline-block!important;opacity:.15}
 body:not(.dim) .toks .off+br{display:none}

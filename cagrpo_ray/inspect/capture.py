@@ -49,6 +49,7 @@ def capture_step(
         for row, m in zip(input_ids, mask, strict=True)
     ]
     prompt_ids = table.column("prompt_token_ids").to_pylist()
+    environment = _environment_segments(table, rows, mask, tokenizer)
     records = records_from_arrays(
         step=step,
         group_ids=group_ids[rows],
@@ -71,6 +72,7 @@ def capture_step(
         kl_cov=kept["kl_cov"],
         is_weight=kept["is_weight"],
         clipped=kept["clipped"],
+        environment=environment,
     )
     write_step(run_dir, step, records, metadata)
     return records.num_rows
@@ -82,3 +84,25 @@ def _shown(tokenizer, token: str) -> str:
         return tokenizer.convert_tokens_to_string([token])
     except Exception:  # a tokenizer without the byte-level table
         return token
+
+
+def _environment_segments(table, rows, mask, tokenizer) -> list[list[tuple[int, str]]]:
+    """Per row: the environment's runs of tokens (its `policy_mask` False) as (the number of
+    trained tokens before the run, its text), for the page to show between the tokens."""
+    policy_masks = table.column("policy_mask").to_pylist()
+    responses = table.column("response_token_ids").to_pylist()
+    out = []
+    for k, r in enumerate(rows):
+        policy, tokens = policy_masks[int(r)], responses[int(r)]
+        segments: list[tuple[int, str]] = []
+        if policy is not None and mask[k].any():
+            trained, start = 0, None
+            for t, mine in enumerate([*policy, True]):
+                if not mine and start is None:
+                    start = t
+                elif mine and start is not None:
+                    segments.append((trained, tokenizer.decode(tokens[start:t])))
+                    start = None
+                trained += bool(mine) and t < len(policy)
+        out.append(segments)
+    return out

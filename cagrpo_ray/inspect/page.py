@@ -17,6 +17,9 @@ that reads back to the same float32:
                    "-0.01" (bottom 0.01%); "" when c lies in none of them
     data-sel       "clip_cov" or "kl_cov" when that loss chose the token; absent otherwise
 
+A multi-turn episode's environment text (tool results) sits between its tokens as `<em
+class=env>`: context the policy read, with no loss and no value, in no statistic.
+
 Size, measured (`tests/test_inspect.py` keeps it): a token costs about 187 bytes of page and 36
 bytes of zstd Parquet (float32 values barely compress), so an inspected group of 8 responses
 of 200 tokens is 0.30 MB of page and 58 KB of Parquet, of 500 tokens 0.74 MB and 145 KB;
@@ -180,8 +183,14 @@ def _response(row: dict, thresholds) -> str:
     }
     text = {key: v.astype(np.float32).astype(str) for key, v in values.items()}
     tails = tail_labels(values["c"].astype(np.float32), thresholds)
-    spans = []
+    spans, replies = [], {}
+    for segment in row.get("environment") or []:  # tool results: context, shown apart
+        replies.setdefault(segment["at"], []).append(
+            f"<em class=env title='environment: context, no loss'>"
+            f"{html.escape(segment['text'])}</em>"
+        )
     for t, token in enumerate(row["tokens"]):
+        spans += replies.get(t, [])
         attrs = " ".join(f"data-{key}={text[key][t]}" for key in TOKEN_ATTRIBUTES)
         chosen = "clip_cov" if row["clip_cov"][t] else "kl_cov" if row["kl_cov"][t] else None
         sel = f" data-sel={chosen}" if chosen else ""
@@ -190,6 +199,7 @@ def _response(row: dict, thresholds) -> str:
             f'<span {attrs} data-clipped={int(row["clipped"][t])} data-tail="{tails[t]}"{sel}>'
             f"{shown}</span>" + ("<br>" * ("\n" in token))
         )
+    spans += replies.get(n, [])
     correct = int(row["correct"])
     return (
         f"<div class=r data-correct={correct} data-reward={np.float32(row['reward'])} "

@@ -59,6 +59,9 @@ INSPECT_SCHEMA = pa.schema(
         ("kl_cov", pa.list_(pa.bool_())),  # chosen by KL-Cov (gets the KL penalty)
         ("is_weight", pa.list_(pa.float32())),  # truncated behaviour-to-proximal IS weight
         ("clipped", pa.list_(pa.bool_())),  # the PPO ratio was clipped
+        # A multi-turn episode's environment text (tool results: context, no loss, no value),
+        # each before the response token `at` of the lists above; null for single-turn rows.
+        ("environment", pa.list_(pa.struct([("at", pa.int32()), ("text", pa.string())]))),
     ]
 )
 
@@ -175,6 +178,7 @@ def records_from_arrays(
     kl_cov=None,
     is_weight=None,
     clipped=None,
+    environment=None,
 ) -> pa.Table:
     """The `INSPECT_SCHEMA` table of B responses from padded numpy arrays or torch tensors.
 
@@ -187,6 +191,8 @@ def records_from_arrays(
         behavior_logprob, logprob, entropy, cov, weight, clip_cov, kl_cov, is_weight, clipped:
             [B, T], read at the mask. None for weight or is_weight means 1.0 everywhere (a loss
             without kernel weights, on-policy samples); None for a flag means False.
+        environment: None, or B lists of (at, text): the environment's text shown before the
+            row's response token `at` (a multi-turn episode's tool results).
 
     Rows keep their order; `response_index` counts the rows of each group in that order.
     """
@@ -234,6 +240,13 @@ def records_from_arrays(
     columns["kl_cov"] = tokens(kl_cov, bool, False)
     columns["is_weight"] = tokens(is_weight, np.float32, 1.0)
     columns["clipped"] = tokens(clipped, bool, False)
+    columns["environment"] = pa.array(
+        [
+            None if not row else [{"at": at, "text": text} for at, text in row]
+            for row in (environment or [None] * groups.size)
+        ],  # fmt: skip
+        INSPECT_SCHEMA.field("environment").type,
+    )
     return pa.table(columns).cast(INSPECT_SCHEMA)
 
 

@@ -280,6 +280,40 @@ METRICS: tuple[MetricSpec, ...] = (
         "Generator replicas that crashed and were restarted.",
         _one("generators/restarts"),
     ),
+    # Multi-turn episodes (rollout.max_turns > 1), over the trained responses
+    MetricSpec(
+        "cagrpo_env_turns",
+        "gauge",
+        "Policy turns per episode of the step's trained responses (mean).",
+        _one("env/turns_mean"),
+    ),
+    MetricSpec(
+        "cagrpo_env_tool_calls_total",
+        "counter",
+        "Tool calls in the trained episodes.",
+        _one("env/tool_calls"),
+    ),
+    MetricSpec(
+        "cagrpo_env_tool_failures_total",
+        "counter",
+        "Tool calls of the trained episodes that failed: error (a bad call, a crash, an "
+        "unknown tool) or timeout (cut at its time limit).",
+        {"env/tool_errors": "error", "env/tool_timeouts": "timeout"},
+        label="kind",
+    ),
+    MetricSpec(
+        "cagrpo_env_tool_seconds_total",
+        "counter",
+        "Wall time of the trained episodes' tool calls, in seconds.",
+        _one("env/tool_seconds"),
+    ),
+    MetricSpec(
+        "cagrpo_env_token_ratio",
+        "gauge",
+        "Share of the step's response tokens written by the environment (tool results: "
+        "context, not trained on).",
+        _one("env/environment_token_fraction"),
+    ),
 )
 
 # Fed by `observe_step`'s `step` argument rather than by a key of the metrics dict.

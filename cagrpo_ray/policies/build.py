@@ -16,6 +16,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import random
 import re
 import shutil
 import sys
@@ -59,6 +60,9 @@ class PolicySpec:
     seed: int = 0  # initial weights and the task's seed regions (see ReasoningGymSource)
     eval_size: int = 256  # held-out prompts for the accuracy reported in build_info.json
     max_new_tokens: int = 64  # response budget when measuring accuracy
+    # Share of warm-start examples solved by a calculator call (`worked_solution(tool=True)`):
+    # a policy that sometimes calls the tool, for multi-turn runs (`rollout.max_turns`).
+    tool_fraction: float = 0.0
 
     @property
     def sft_size(self) -> int:
@@ -68,7 +72,10 @@ class PolicySpec:
 
     def key(self) -> str:
         """Cache key: the task name and a hash of the spec and `BUILD_VERSION`."""
-        canonical = json.dumps({"build_version": BUILD_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not self.tool_fraction:  # added later: the keys of the builds without tools stay
+            del fields["tool_fraction"]
+        canonical = json.dumps({"build_version": BUILD_VERSION, **fields}, sort_keys=True)
         return f"{self.task}-{hashlib.sha256(canonical.encode()).hexdigest()[:12]}"
 
     def with_budget(self, sft_steps: int) -> PolicySpec:
@@ -88,6 +95,17 @@ PRESETS: dict[str, PolicySpec] = {
         task_config={"min_terms": 3, "max_terms": 5, "min_digits": 1, "max_digits": 2},
         target_accuracy=0.2,
         max_new_tokens=96,
+    ),
+    # Sums of 3 or 4 terms of two or three digits, where adding digit by digit often goes
+    # wrong and a calculator call is the reliable path; half the warm start's examples call
+    # it (`<tool>calculator: ...</tool>`), half add step by step. Its accuracy in
+    # build_info.json is measured without tools (the policy writes its own `<result>`);
+    # `configs/cpu-tools.yaml` trains it with the calculator.
+    "chain_sum_tools": PolicySpec(
+        task_config={"min_terms": 3, "max_terms": 4, "min_digits": 2, "max_digits": 3},
+        target_accuracy=0.3,
+        max_new_tokens=96,
+        tool_fraction=0.5,
     ),
 }
 
@@ -139,7 +157,10 @@ def _build(spec: PolicySpec, out_dir: Path, progress: bool) -> Path:
     )
     validation, held_out = heldout_items(spec)
     model, tokenizer = new_policy(spec.seed, spec.size)
-    examples = encode_examples(tokenizer, sft_items, [worked_solution(i) for i in sft_items])
+    calls = random.Random(spec.seed).choices([True, False], k=len(sft_items), weights=(
+        spec.tool_fraction, 1 - spec.tool_fraction))  # fmt: skip
+    targets = [worked_solution(i, tool=c) for i, c in zip(sft_items, calls, strict=True)]
+    examples = encode_examples(tokenizer, sft_items, targets)
     n_parameters = parameter_count(model)
     say(f"warm start: {n_parameters:,} parameters, at most {spec.sft_steps} steps")
 

@@ -14,7 +14,13 @@ One row per response. The schema (`ROLLOUT_SCHEMA`):
 | advantage | float32 | GRPO group advantage of the response (what the learner trains on) |
 | policy_version | int64 | version of the weights that sampled it |
 | prompt_len, response_len | int32 | token counts |
-| finish_reason | string | "stop" or "length" |
+| finish_reason | string | "stop", "length" or (multi-turn) "turns" |
+| policy_mask | list<bool> | per response token: the policy's (True) or a tool result's |
+| turns, tool_calls, tool_errors, tool_timeouts | int16 | a multi-turn episode's counts |
+| tool_seconds | float32 | wall time of the episode's tool calls |
+
+`policy_mask` is null when every token is the policy's (single-turn rows, and episodes that
+called no tool); a single-turn row has 1 turn and no tool call.
 
 Groups leave in arrival order (FIFO). `take(..., min_version=v)` drops whole groups sampled by a
 policy older than `v` and counts them (`dropped_stale`). Conversion to the learner's padded
@@ -47,8 +53,17 @@ ROLLOUT_SCHEMA = pa.schema(
         ("prompt_len", pa.int32()),
         ("response_len", pa.int32()),
         ("finish_reason", pa.string()),
+        ("policy_mask", pa.list_(pa.bool_())),
+        ("turns", pa.int16()),
+        ("tool_calls", pa.int16()),
+        ("tool_errors", pa.int16()),
+        ("tool_timeouts", pa.int16()),
+        ("tool_seconds", pa.float32()),
     ]
 )
+# Multi-turn columns, and what a row written before them holds (buffers of older checkpoints).
+ENV_DEFAULTS = {"policy_mask": None, "turns": 1, "tool_calls": 0, "tool_errors": 0,
+                "tool_timeouts": 0, "tool_seconds": 0.0}  # fmt: skip
 
 
 def group_record_batch(
@@ -72,6 +87,12 @@ def group_record_batch(
                 f"group {group_id} ({prompt_uid}): {len(c.token_ids)} tokens but "
                 f"{len(c.logprobs)} behavior log-probs"
             )
+        mask = getattr(c, "from_policy", None)
+        if mask is not None and len(mask) != len(c.token_ids):
+            raise ValueError(
+                f"group {group_id} ({prompt_uid}): {len(c.token_ids)} tokens but "
+                f"{len(mask)} policy-mask entries"
+            )
     columns = {
         "prompt_uid": [prompt_uid] * n,
         "group_id": [group_id] * n,
@@ -85,8 +106,27 @@ def group_record_batch(
         "prompt_len": [len(c.prompt_token_ids) for c in completions],
         "response_len": [len(c.token_ids) for c in completions],
         "finish_reason": [c.finish_reason for c in completions],
+        **{
+            key: [getattr(c, name, ENV_DEFAULTS[key]) for c in completions]
+            for key, name in _ENV_FIELDS.items()
+        },
     }
     return pa.RecordBatch.from_pydict(columns, schema=ROLLOUT_SCHEMA)
+
+
+_ENV_FIELDS = {"policy_mask": "from_policy", "turns": "turns", "tool_calls": "tool_calls",
+               "tool_errors": "tool_errors", "tool_timeouts": "tool_timeouts",
+               "tool_seconds": "tool_seconds"}  # fmt: skip
+
+
+def with_env_columns(table: pa.Table) -> pa.Table:
+    """`table` with the multi-turn columns, filled with their single-turn values where it has
+    none (a buffer saved before they existed), in `ROLLOUT_SCHEMA`'s order."""
+    for name, default in ENV_DEFAULTS.items():
+        if name not in table.column_names:
+            kind = ROLLOUT_SCHEMA.field(name).type
+            table = table.append_column(name, pa.array([default] * table.num_rows, kind))
+    return table.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA)
 
 
 class RolloutBuffer:
@@ -150,6 +190,7 @@ class RolloutBuffer:
         self._groups.clear()
         if table.num_rows == 0:
             return
+        table = with_env_columns(table)
         group_ids = table.column("group_id").to_numpy()
         starts = np.flatnonzero(np.r_[True, group_ids[1:] != group_ids[:-1]])
         ends = np.r_[starts[1:], len(group_ids)]
@@ -181,7 +222,8 @@ def to_learner_batch(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tens
     """Padded tensors in the learner's batch contract (docs/architecture.md).
 
     Rows are prompt then response, right-padded to the longest row; `behavior_logprobs` sits
-    at the response tokens it belongs to ("at the token"), 0 elsewhere.
+    at the response tokens it belongs to ("at the token"), 0 elsewhere. `response_mask` marks
+    the tokens trained on: the policy's own, never an environment's (`policy_mask`).
     """
     prompt_len = table.column("prompt_len").to_numpy().astype(np.int64)
     response_len = table.column("response_len").to_numpy().astype(np.int64)
@@ -194,6 +236,11 @@ def to_learner_batch(table: pa.Table, pad_token_id: int) -> dict[str, torch.Tens
     positions = np.arange(width)[None, :]
     attention = positions < (prompt_len + response_len)[:, None]
     response = attention & (positions >= prompt_len[:, None])
+    policy_mask = table.column("policy_mask")
+    if policy_mask.null_count < table.num_rows:  # multi-turn: tool results are context only
+        policy = np.ones((batch, width), dtype=bool)
+        _scatter(policy_mask, prompt_len, policy)  # a null row has no values: all the policy's
+        response &= policy
     return {
         "input_ids": torch.from_numpy(input_ids),
         "attention_mask": torch.from_numpy(attention.astype(np.int64)),

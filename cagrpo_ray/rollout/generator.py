@@ -14,6 +14,11 @@ in_flight` (vLLM) the gate still closes, but the requests in flight are not wait
 engine freezes them for the load and they go on under the new weights (`vllm_engine.py`), so
 no replica idles for a sync; each completion's `loads` says which of its tokens came after.
 
+With a multi-turn environment (`rollout.max_turns` > 1, `cagrpo_ray/env`) each sample is an
+episode: the replica runs the policy's turns on its engine and the tools in between
+(`run_episodes`), and a chunk's call returns once all its episodes have ended, so a drain
+waits for whole episodes and every token of an episode has one version.
+
 A replica whose engine died (its core process, a worker, or a reload that left the model
 half-loaded) ends the engine's remaining processes and exits, so that Ray restarts it instead
 of it answering with errors.
@@ -28,6 +33,7 @@ import threading
 import ray
 
 from cagrpo_ray.console import redirect_output
+from cagrpo_ray.env.episode import ToolEnvironment, run_episodes
 
 from .engines import make_engine
 from .types import Completion, SamplingConfig
@@ -42,10 +48,20 @@ MAX_CONCURRENT_CALLS = 256
 class Generator:
     """Hosts one generation engine; `generate` returns `Completion`s tagged with its version."""
 
-    def __init__(self, replica: int, engine: str, model_path: str, engine_options: dict):
+    def __init__(
+        self,
+        replica: int,
+        engine: str,
+        model_path: str,
+        engine_options: dict,
+        environment: dict | None = None,
+    ):
         redirect_output()  # as an actor of a run: vLLM's output goes to the run's log file
         self.replica = replica
         self.engine = make_engine(engine, model_path, **engine_options)
+        environment = dict(environment or {})
+        self.max_turns = environment.pop("max_turns", 1)
+        self.env = ToolEnvironment(**environment) if self.max_turns > 1 else None
         self._gate = threading.Condition()
         self._in_flight = 0
         self._loading = False
@@ -72,10 +88,12 @@ class Generator:
             self._gate.wait_for(lambda: not self._loading)
             self._in_flight += 1
         try:
-            if self._serial is None:
-                return self.engine.generate(prompts, sampling)
-            with self._serial:
-                return self.engine.generate(prompts, sampling)
+            if self.env is None:
+                return self._generate(prompts, sampling)
+            tokenizer = self.engine.tokenizer
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+            return run_episodes(self._generate, self.env, encode, prompts, sampling,
+                                self.max_turns)  # fmt: skip
         except Exception as exc:
             if _engine_dead(exc):
                 _exit_for_restart(self.replica, f"its engine died: {exc}")
@@ -84,6 +102,12 @@ class Generator:
             with self._gate:
                 self._in_flight -= 1
                 self._gate.notify_all()
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        if self._serial is None:
+            return self.engine.generate(prompts, sampling)
+        with self._serial:
+            return self.engine.generate(prompts, sampling)
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """sha256 of every parameter the engine keeps as a tensor, per worker (vLLM only)."""

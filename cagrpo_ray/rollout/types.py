@@ -59,3 +59,13 @@ class Completion:
     # In-flight weight updates (rollout.weight_update = "in_flight"): (t, v) when tokens t..
     # were sampled by version v, one pair per load the response spanned; empty otherwise.
     loads: list[tuple[int, int]] = field(default_factory=list)
+    # A multi-turn episode (`cagrpo_ray/env`): `token_ids` holds the policy's turns and the
+    # environment's replies in order; `from_policy[t]` says who wrote token t (None: the
+    # policy wrote every token, as in a single-turn response). Environment tokens carry
+    # log-prob 0 and are never trained on.
+    from_policy: list[bool] | None = None
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+    tool_seconds: float = 0.0

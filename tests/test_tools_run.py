@@ -1,0 +1,187 @@
+"""Multi-turn episodes with the calculator, end to end on the CPU (`configs/cpu-tools.yaml`):
+the warm-started small policy that sometimes calls the tool, 2 vLLM generators, 2 DeepSpeed
+ranks, real Ray, the asynchronous schedule (bound 1, so episodes are in flight at every
+checkpoint).
+
+One run of 4 steps, then a second run that resumes from its step-2 checkpoint to step 4:
+
+- every environment segment the learner got is the calculator's reply to the policy's turn
+  before it, encoded (token in, token out, turn by turn, at the system level; the log-probs
+  of each turn against a forward pass are `tests/test_env.py`'s, on both engines);
+- the learner trained on the policy's tokens only (`learner/tokens` per step is the count of
+  policy tokens of the step's batch), and the env metrics count the calls;
+- no sample staler than the bound, counted by an episode's oldest token;
+- the resumed run trains no prompt the first run trained before its checkpoint, none twice:
+  episodes in flight at the checkpoint are generated again, whole, after the resume;
+- the held-out evaluation reports tool use, and the token inspector shows the tool results
+  apart from the policy's tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+import ray
+from test_train import RecordingTrainer
+from transformers import AutoTokenizer
+
+from cagrpo_ray.config import load_config
+from cagrpo_ray.env import ToolEnvironment
+from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
+
+pytestmark = pytest.mark.integration
+
+CONFIG = "configs/cpu-tools.yaml"
+STEPS, RESUME_AT, PROMPTS, GROUP = 4, 2, 8, 8
+
+
+def overrides(tmp_path, name, steps=STEPS):
+    return [
+        f"run.output_dir={tmp_path}",
+        f"run.name={name}",
+        f"run.steps={steps}",
+        "run.max_staleness=1",
+        f"run.checkpoint_every={RESUME_AT}",
+        "run.keep_checkpoints=2",
+        "rollout.enforce_eager=true",
+        f"rollout.prompts_per_step={PROMPTS}",
+        f"rollout.group_size={GROUP}",
+        "data.eval_size=16",
+        "eval.samples=2",
+        "metrics.port=0",
+        f"metrics.inspect_every={RESUME_AT}",
+        "metrics.inspect_groups=2",
+        "sync.timeout_s=20",
+    ]
+
+
+class TableTrainer(RecordingTrainer):
+    """Also keeps every batch the learner trained on, as the buffer gave it."""
+
+    def setup(self):
+        super().setup()
+        self.tables = []
+        take = self.scheduler.buffer.take
+
+        def keeping_take(*args, **kwargs):
+            table = take(*args, **kwargs)
+            if table is not None:
+                self.tables.append(table.sort_by("group_id"))
+            return table
+
+        self.scheduler.buffer.take = keeping_take
+
+
+@pytest.fixture(scope="module")
+def tools_runs(tmp_path_factory):
+    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
+    ray.init(num_cpus=3, include_dashboard=False)
+    try:
+        tmp_path = tmp_path_factory.mktemp("tools")
+        first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first")))
+        first_summary = first.run()
+        checkpoint = f"step_{RESUME_AT:06d}"
+        resumed_dir = tmp_path / "resumed"
+        shutil.copytree(
+            tmp_path / "first" / "checkpoints" / checkpoint,
+            resumed_dir / "checkpoints" / checkpoint,
+        )
+        (resumed_dir / "checkpoints" / "latest").write_text(checkpoint)
+        (resumed_dir / "metrics.jsonl").write_text(
+            (tmp_path / "first" / "metrics.jsonl").read_text()
+        )
+        resumed = TableTrainer(load_config(CONFIG, overrides(tmp_path, "resumed")), resume=True)
+        resumed_summary = resumed.run()
+    finally:
+        ray.shutdown()
+    return tmp_path, (first, first_summary), (resumed, resumed_summary)
+
+
+def segments(tokens, mask):
+    """(by the policy, tokens) runs of a response, in order."""
+    out, start = [], 0
+    for t in range(1, len(tokens) + 1):
+        if t == len(tokens) or mask[t] != mask[start]:
+            out.append((mask[start], tokens[start:t]))
+            start = t
+    return out
+
+
+def test_the_learner_got_the_sampled_turns_and_the_calculators_replies(tools_runs):
+    tmp_path, (first, _), (resumed, _) = tools_runs
+    tokenizer = AutoTokenizer.from_pretrained(first.model_path)
+    env = ToolEnvironment(("calculator",))
+    replies = calls = 0
+    for table in first.tables + resumed.tables:
+        masks = table.column("policy_mask").to_pylist()
+        responses = table.column("response_token_ids").to_pylist()
+        for tokens, mask in zip(responses, masks, strict=True):
+            if mask is None:
+                continue
+            parts = segments(tokens, mask)
+            assert parts[0][0], "an episode starts with the policy's turn"
+            for (by_policy, part), (_, before) in zip(parts[1:], parts, strict=False):
+                if by_policy:
+                    continue
+                reply = env.reply(tokenizer.decode(before))
+                assert not reply.done
+                encoded = tokenizer.encode(reply.text, add_special_tokens=False)
+                assert part == encoded[: len(part)]
+                replies += 1
+        calls += int(np.sum(table.column("tool_calls").to_numpy()))
+    assert replies > 0, "no trained episode called the calculator"
+    assert replies <= calls
+
+
+def test_only_policy_tokens_were_trained_and_the_env_metrics_count_the_calls(tools_runs):
+    tmp_path, (first, _), _ = tools_runs
+    records = {r["step"]: r for r in read_metrics(tmp_path / "first" / "metrics.jsonl")}
+    assert sorted(records) == list(range(1, STEPS + 1))
+    for step, table in enumerate(first.tables, start=1):
+        masks = table.column("policy_mask").to_pylist()
+        lengths = table.column("response_len").to_pylist()
+        policy_tokens = sum(n if m is None else sum(m) for m, n in zip(masks, lengths, strict=True))
+        record = records[step]
+        assert record["learner/tokens"] == policy_tokens
+        assert record["env/tool_calls"] == int(np.sum(table.column("tool_calls").to_numpy()))
+        env_tokens = sum(0 if m is None else len(m) - sum(m) for m in masks)
+        assert record["env/environment_token_fraction"] == pytest.approx(
+            env_tokens / sum(lengths), abs=1e-9
+        )
+        assert 1.0 <= record["env/turns_mean"] <= 3.0
+        assert record["staleness/max"] <= 1
+    assert any(records[s]["env/tool_calls"] > 0 for s in records)
+
+
+def test_a_resume_trains_no_episode_twice_and_loses_none(tools_runs):
+    tmp_path, (first, _), (resumed, summary) = tools_runs
+    assert summary["final_step"] == STEPS
+    before = first.trained_prompts[: RESUME_AT * PROMPTS]
+    after = resumed.trained_prompts
+    assert len(after) == (STEPS - RESUME_AT) * PROMPTS
+    assert len(set(after)) == len(after)
+    assert not set(before) & set(after)
+    # group ids go on from the checkpoint without a gap: in-flight episodes were requeued
+    groups = resumed.trained_groups
+    assert min(groups) >= RESUME_AT * PROMPTS - 2 * PROMPTS  # at most the bound's chunks back
+    assert len(set(groups)) == len(groups)
+
+
+def test_the_evaluation_reports_tool_use_and_the_inspector_shows_tool_results(tools_runs):
+    from cagrpo_ray.inspect import read_step, render_page
+
+    tmp_path, (_, summary), _ = tools_runs
+    for when in ("eval_before", "eval_after"):
+        result = summary[when]
+        assert 0.0 <= result["tool_call_fraction"] <= 1.0
+        assert result["mean_tool_calls"] >= result["tool_call_fraction"]
+    table, metadata = read_step(tmp_path / "first")
+    rows = [r for r in table.to_pylist() if r["environment"]]
+    if rows:  # the inspected groups held an episode that called the tool
+        page = render_page(table, metadata, [metadata["step"]])
+        assert page.count("<em class=env") == sum(len(r["environment"]) for r in rows)
+        assert all("<result>" in seg["text"] for r in rows for seg in r["environment"])
