@@ -54,6 +54,9 @@ def test_the_calculator_agrees_with_python_on_fresh_random_expressions():
         ("(-8) ** 0.5", "not a real number"),
         ("1 +", "not an arithmetic expression"),
         ("[1, 2]", "not allowed"),
+        ("-" * 3000 + "1", "nested too deeply"),
+        ("1+" * 3000 + "1", "nested too deeply"),
+        ("(" * 5000 + "1" + ")" * 5000, "not an arithmetic expression"),
     ],
 )
 def test_the_calculator_refuses_anything_but_bounded_arithmetic(expression, why):
@@ -82,6 +85,10 @@ def test_the_environment_answers_a_call_at_the_end_of_a_turn_only():
     assert unknown.status == "error" and "no tool 'search'" in unknown.text
     with pytest.raises(ValueError, match="unknown tools"):
         ToolEnvironment(("browser",))
+    broken = ToolEnvironment(("calculator",))
+    broken.tools["calculator"] = lambda argument: 1 / 0  # a tool's own bug
+    failed = broken.reply("<tool>calculator: 1</tool>")
+    assert failed.status == "error" and "ZeroDivisionError" in failed.text and not failed.done
 
 
 class ScriptedPolicy:

@@ -1,7 +1,7 @@
 """Multi-turn episodes with the calculator, end to end on the CPU (`configs/cpu-tools.yaml`):
-the warm-started small policy that sometimes calls the tool, 2 vLLM generators, 2 DeepSpeed
-ranks, real Ray, the asynchronous schedule (bound 1, so episodes are in flight at every
-checkpoint).
+a small policy warm-started like the `chain_sum_tools` preset on a shorter budget (it calls
+the tool, not always well), a vLLM generator, 2 DeepSpeed ranks, real Ray, the asynchronous
+schedule (bound 1, so episodes are in flight at every checkpoint).
 
 One run of 4 steps, then a second run that resumes from its step-2 checkpoint to step 4:
 
@@ -20,27 +20,30 @@ One run of 4 steps, then a second run that resumes from its step-2 checkpoint to
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
 import ray
-from test_train import RecordingTrainer
+from test_train import RecordingTrainer, resume_from
 from transformers import AutoTokenizer
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.env import ToolEnvironment
 from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.policies.build import PRESETS, ensure_policy
 from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 
 pytestmark = pytest.mark.integration
 
 CONFIG = "configs/cpu-tools.yaml"
 STEPS, RESUME_AT, PROMPTS, GROUP = 4, 2, 8, 8
+SFT_STEPS = 150  # the preset's warm start, cut short: enough to call the tool
 
 
-def overrides(tmp_path, name, steps=STEPS):
+def overrides(tmp_path, name, policy, steps=STEPS):
     return [
+        f"model.path={policy}",
+        "rollout.num_generators=1",
         f"run.output_dir={tmp_path}",
         f"run.name={name}",
         f"run.steps={steps}",
@@ -52,6 +55,7 @@ def overrides(tmp_path, name, steps=STEPS):
         f"rollout.group_size={GROUP}",
         "data.eval_size=16",
         "eval.samples=2",
+        "eval.temperatures=[]",
         "metrics.port=0",
         f"metrics.inspect_every={RESUME_AT}",
         "metrics.inspect_groups=2",
@@ -78,23 +82,16 @@ class TableTrainer(RecordingTrainer):
 
 @pytest.fixture(scope="module")
 def tools_runs(tmp_path_factory):
+    policy = ensure_policy(PRESETS["chain_sum_tools"].with_budget(SFT_STEPS))
     os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
     ray.init(num_cpus=3, include_dashboard=False)
     try:
         tmp_path = tmp_path_factory.mktemp("tools")
-        first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first")))
+        first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first", policy)))
         first_summary = first.run()
-        checkpoint = f"step_{RESUME_AT:06d}"
-        resumed_dir = tmp_path / "resumed"
-        shutil.copytree(
-            tmp_path / "first" / "checkpoints" / checkpoint,
-            resumed_dir / "checkpoints" / checkpoint,
-        )
-        (resumed_dir / "checkpoints" / "latest").write_text(checkpoint)
-        (resumed_dir / "metrics.jsonl").write_text(
-            (tmp_path / "first" / "metrics.jsonl").read_text()
-        )
-        resumed = TableTrainer(load_config(CONFIG, overrides(tmp_path, "resumed")), resume=True)
+        resume_from(tmp_path / "first", tmp_path / "resumed", RESUME_AT)
+        config = load_config(CONFIG, overrides(tmp_path, "resumed", policy))
+        resumed = TableTrainer(config, resume=True)
         resumed_summary = resumed.run()
     finally:
         ray.shutdown()

@@ -150,6 +150,15 @@ def reference_run(request, local_ray, tmp_path_factory):
     return staleness, tmp_path, summary, trainer
 
 
+def resume_from(run_dir, resumed_dir, step: int) -> None:
+    """A run directory `resumed_dir` that `--resume` continues from `run_dir`'s checkpoint of
+    `step`, with `run_dir`'s metrics so far."""
+    checkpoint = f"step_{step:06d}"
+    shutil.copytree(run_dir / "checkpoints" / checkpoint, resumed_dir / "checkpoints" / checkpoint)
+    (resumed_dir / "checkpoints" / "latest").write_text(checkpoint)
+    (resumed_dir / "metrics.jsonl").write_text((run_dir / "metrics.jsonl").read_text())
+
+
 def running(process) -> bool:
     try:
         return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
@@ -234,17 +243,8 @@ def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
 def test_resume_with_a_killed_generator(reference_run):
     staleness, tmp_path, _, reference_trainer = reference_run
     start, end = RESUME_AT[staleness], RESUMED_END[staleness]
-    checkpoint = f"step_{start:06d}"
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(
-        tmp_path / "reference" / "checkpoints" / checkpoint,
-        resumed_dir / "checkpoints" / checkpoint,
-    )
-    (resumed_dir / "checkpoints" / "latest").write_text(checkpoint)
+    resume_from(tmp_path / "reference", tmp_path / "resumed", start)
     reference_lines = read_metrics(tmp_path / "reference" / "metrics.jsonl")
-    (resumed_dir / "metrics.jsonl").write_text(
-        (tmp_path / "reference" / "metrics.jsonl").read_text()
-    )
 
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness, end))
     trainer = RecordingTrainer(config, resume=True, kill_replica_at=KILL_AT[staleness])

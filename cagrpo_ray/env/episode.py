@@ -90,7 +90,10 @@ class ToolEnvironment:
             result = ToolResult(f"error: no tool {name!r}; tools: {', '.join(self.tools)}",
                                 "error", 0.0)  # fmt: skip
         else:
-            result = tool(argument)
+            try:
+                result = tool(argument)
+            except Exception as exc:  # a tool's own bug must not end the episode, or the run
+                result = ToolResult(f"error: the tool failed ({type(exc).__name__})", "error", 0.0)
         text = self.result_template.replace("{output}", result.text)
         return EnvReply(text, False, result.status, result.seconds)
 
@@ -211,6 +214,7 @@ def run_episodes(
     sampling: SamplingConfig,
     max_turns: int,
     workers: int = MAX_EPISODE_THREADS,
+    later: Callable[[list[list[int]], SamplingConfig], list[list[Completion]]] | None = None,
 ) -> list[list[Completion]]:
     """`sampling.n` episodes per prompt over an engine's `generate` (a batch call, as
     `Engine.generate`), each returned as one `Completion` (`Episode.completion`).
@@ -219,7 +223,9 @@ def run_episodes(
     prompts, seeds and `n`), so an episode whose first turn calls no tool is the single-turn
     response bit for bit. Each episode that goes on samples its next turns alone (n = 1,
     seeded from the request's seed, the sample and the turn), its tool calls run in its own
-    thread, and the episodes go on concurrently, so a slow tool holds back only its own."""
+    thread, and the episodes go on concurrently, so a slow tool holds back only its own.
+    `later`: what samples the later turns (default `generate`)."""
+    later = later or generate
     first = generate(prompts, dataclasses.replace(sampling, stop=tuple(env.stop)))
 
     def play(index: int, sample: int, completion: Completion) -> Completion:
@@ -228,7 +234,7 @@ def run_episodes(
             if seed is not None:  # the context grows every turn: its length tells turns apart
                 seed = _turn_seed(seed, index, sample, len(context))
             one = dataclasses.replace(sampling, n=1, max_tokens=room, stop=stop, seed=seed)
-            return generate([context], one)[0][0]
+            return later([context], one)[0][0]
 
         return run_episode(turn, env, encode, prompts[index], max_turns, sampling.max_tokens,
                            first=completion).completion()  # fmt: skip

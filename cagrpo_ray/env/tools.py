@@ -56,7 +56,12 @@ def calculate(expression: str) -> int | float:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         raise ToolError(f"not an arithmetic expression: {exc.msg}") from None
-    return _value(tree.body)
+    except (RecursionError, MemoryError):
+        raise ToolError("the expression is nested too deeply") from None
+    try:
+        return _value(tree.body)
+    except RecursionError:  # a chain of thousands of operators
+        raise ToolError("the expression is nested too deeply") from None
 
 
 def _value(node: ast.AST) -> int | float:

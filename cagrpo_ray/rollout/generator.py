@@ -93,7 +93,7 @@ class Generator:
             tokenizer = self.engine.tokenizer
             encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
             return run_episodes(self._generate, self.env, encode, prompts, sampling,
-                                self.max_turns)  # fmt: skip
+                                self.max_turns, later=self._later_turn)  # fmt: skip
         except Exception as exc:
             if _engine_dead(exc):
                 _exit_for_restart(self.replica, f"its engine died: {exc}")
@@ -108,6 +108,14 @@ class Generator:
             return self.engine.generate(prompts, sampling)
         with self._serial:
             return self.engine.generate(prompts, sampling)
+
+    def _later_turn(self, prompts: list[list[int]], sampling: SamplingConfig):
+        """An episode's next turn. Under a drain it goes on (the load waits for the episode);
+        with in-flight loads it waits for a load to end rather than join a paused engine."""
+        if getattr(self.engine, "in_flight_updates", False):
+            with self._gate:
+                self._gate.wait_for(lambda: not self._loading)
+        return self._generate(prompts, sampling)
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """sha256 of every parameter the engine keeps as a tensor, per worker (vLLM only)."""
