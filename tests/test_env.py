@@ -251,3 +251,34 @@ def test_run_episodes_samples_first_turns_in_one_request_and_goes_on_alone():
     assert (episodes[1][0].turns, episodes[1][0].tool_calls, episodes[1][0].finish_reason) == (
         3, 2, "stop")  # fmt: skip
     assert episodes[1][1].from_policy is None
+
+
+def test_a_single_turn_task_is_the_one_turn_episode_sample_for_sample():
+    """Single-turn runs go through the same episode loop: the samples come back as the
+    engine gave them (tokens, log-probs, text, finish reason, version, loads)."""
+    from cagrpo_ray.env import run_episodes
+    from cagrpo_ray.env.episode import SINGLE_TURN
+    from cagrpo_ray.rollout.types import SamplingConfig
+
+    rng = random.Random()
+    groups = []
+    for p in range(3):
+        group = []
+        for _ in range(4):
+            n = rng.randint(0, 9)
+            tokens = [rng.randrange(300) for _ in range(n)]
+            loads = [(rng.randint(1, n - 1), 7)] if n > 2 and rng.random() < 0.5 else []
+            group.append(Completion([p], tokens, [-rng.random() for _ in tokens],
+                                    "".join(map(chr, tokens)), rng.choice(["stop", "length"]),
+                                    5, loads=loads))  # fmt: skip
+        groups.append(group)
+    sampling = SamplingConfig(n=4, max_tokens=9, seed=3)
+    calls = []
+
+    def engine(prompts, s):
+        calls.append(s)
+        return groups
+
+    played = run_episodes(engine, SINGLE_TURN, encode, [[0], [1], [2]], sampling, max_turns=1)
+    assert calls == [sampling]  # one request, asked exactly as a single-turn batch
+    assert played == groups

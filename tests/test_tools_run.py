@@ -182,3 +182,22 @@ def test_the_evaluation_reports_tool_use_and_the_inspector_shows_tool_results(to
         page = render_page(table, metadata, [metadata["step"]])
         assert page.count("<em class=env") == sum(len(r["environment"]) for r in rows)
         assert all("<result>" in seg["text"] for r in rows for seg in r["environment"])
+
+
+def test_the_evaluation_cli_plays_episodes_with_the_calculator(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    policy = ensure_policy(PRESETS["chain_sum_tools"].with_budget(SFT_STEPS))
+    out = tmp_path / "results.json"
+    data = "reasoning_gym:chain_sum?seed=5&size=8&min_terms=3&max_terms=4&min_digits=2&max_digits=3"
+    command = [sys.executable, "-m", "cagrpo_ray.eval", "--model", str(policy), "--data", data,
+               "--samples", "4", "--engine", "hf", "--max-tokens", "96", "--instruction", "none",
+               "--max-turns", "3", "--tools", "calculator", "--out", str(out)]  # fmt: skip
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    metrics = json.loads(out.read_text())["metrics"]
+    assert metrics["tool_call_fraction"] > 0, "the warm-started policy called no tool"
+    assert metrics["mean_tool_calls"] >= metrics["tool_call_fraction"]
+    assert "tool_call_fraction" in finished.stdout

@@ -45,6 +45,19 @@ class Environment(Protocol):
     def reply(self, turn_text: str) -> EnvReply: ...
 
 
+class SingleTurn:
+    """The environment of a single-turn task: no stop string, and every turn ends the
+    episode. `run_episodes` with it returns the engine's samples as they are."""
+
+    stop: tuple[str, ...] = ()
+
+    def reply(self, turn_text: str) -> EnvReply:
+        return EnvReply("", done=True)
+
+
+SINGLE_TURN = SingleTurn()
+
+
 class ToolEnvironment:
     """Tools called as `<tool>name: input</tool>` at the end of a turn, answered as
     `<result>output</result>`; a turn that ends without a call ends the episode (its answer
@@ -240,10 +253,26 @@ def run_episodes(
                            first=completion).completion()  # fmt: skip
 
     jobs = [(i, j, c) for i, group in enumerate(first) for j, c in enumerate(group)]
-    with ThreadPoolExecutor(max(1, min(workers, len(jobs))), "episode") as threads:
-        played = list(threads.map(lambda job: play(*job), jobs))
+    if max_turns == 1:  # nothing goes on: no thread needed (the single-turn tasks)
+        played = [play(*job) for job in jobs]
+    else:
+        with ThreadPoolExecutor(max(1, min(workers, len(jobs))), "episode") as threads:
+            played = list(threads.map(lambda job: play(*job), jobs))
     n = sampling.n
     return [played[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+class EpisodePlayer:
+    """An engine whose `generate` plays episodes (`run_episodes`) with `env`: what evaluates a
+    multi-turn policy outside a run (`python -m cagrpo_ray.eval --max-turns`)."""
+
+    def __init__(self, engine, env: Environment, max_turns: int, tokenizer):
+        self.engine, self.env, self.max_turns = engine, env, max_turns
+        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
+        return run_episodes(self.engine.generate, self.env, self._encode, prompts, sampling,
+                            self.max_turns)  # fmt: skip
 
 
 def _turn_seed(seed: int, index: int, sample: int, position: int) -> int:

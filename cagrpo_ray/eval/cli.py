@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=1024, help="prompt + response")
     parser.add_argument("--kv-cache-gib", type=float, help="vLLM KV cache (default: engine's)")
     parser.add_argument("--eager", action="store_true", help="vLLM without torch.compile")
+    parser.add_argument(
+        "--max-turns",
+        type=int,
+        default=1,
+        help="policy turns per episode (above 1: multi-turn with --tools, as rollout.max_turns)",
+    )
+    parser.add_argument(
+        "--tools", default="calculator", help="comma-separated tools of multi-turn episodes"
+    )
     return parser
 
 
@@ -133,11 +142,17 @@ def main(argv: list[str] | None = None) -> dict:
     if args.eager and args.engine == "vllm":
         engine_options["enforce_eager"] = True
     engine = make_engine(args.engine, model_path, **engine_options)
+    player = engine
+    if args.max_turns > 1:  # episodes with tools, played as a run's generators play them
+        from cagrpo_ray.env import EpisodePlayer, ToolEnvironment
+
+        environment = ToolEnvironment(tuple(args.tools.split(",")))
+        player = EpisodePlayer(engine, environment, args.max_turns, tokenizer)
     start = time.monotonic()
     try:
         with RewardFunction(args.weights, args.timeout_s, args.verifier_workers) as reward_fn:
             metrics = evaluate(
-                engine,
+                player,
                 tokenizer,
                 items,
                 reward_fn,
@@ -146,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
                 instruction_from_flag(args.instruction),
                 details=True,
                 extract_answer=answer_extractor(args.weights),
+                multi_turn=args.max_turns > 1,
             )
     finally:
         engine.close()
@@ -160,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
             "engine": args.engine,
             "sampling": vars(sampling),
             "instruction": args.instruction,
+            "max_turns": args.max_turns,
             "weights": args.weights,
             "metrics": metrics,
             "per_prompt": per_prompt,

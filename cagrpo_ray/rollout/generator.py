@@ -14,10 +14,11 @@ in_flight` (vLLM) the gate still closes, but the requests in flight are not wait
 engine freezes them for the load and they go on under the new weights (`vllm_engine.py`), so
 no replica idles for a sync; each completion's `loads` says which of its tokens came after.
 
-With a multi-turn environment (`rollout.max_turns` > 1, `cagrpo_ray/env`) each sample is an
-episode: the replica runs the policy's turns on its engine and the tools in between
-(`run_episodes`), and a chunk's call returns once all its episodes have ended, so a drain
-waits for whole episodes and every token of an episode has one version.
+Every sample is an episode (`cagrpo_ray/env`): with `rollout.max_turns` > 1 the replica runs
+the policy's turns on its engine and the tools in between (`run_episodes`); a single-turn task
+is the one-turn case, whose episodes are the engine's samples as they were. A chunk's call
+returns once all its episodes have ended, so a drain waits for whole episodes and every token
+of an episode has one version.
 
 A replica whose engine died (its core process, a worker, or a reload that left the model
 half-loaded) ends the engine's remaining processes and exits, so that Ray restarts it instead
@@ -33,7 +34,7 @@ import threading
 import ray
 
 from cagrpo_ray.console import redirect_output
-from cagrpo_ray.env.episode import ToolEnvironment, run_episodes
+from cagrpo_ray.env.episode import SINGLE_TURN, ToolEnvironment, run_episodes
 
 from .engines import make_engine
 from .types import Completion, SamplingConfig
@@ -61,7 +62,9 @@ class Generator:
         self.engine = make_engine(engine, model_path, **engine_options)
         environment = dict(environment or {})
         self.max_turns = environment.pop("max_turns", 1)
-        self.env = ToolEnvironment(**environment) if self.max_turns > 1 else None
+        self.env = ToolEnvironment(**environment) if self.max_turns > 1 else SINGLE_TURN
+        tokenizer = self.engine.tokenizer
+        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
         self._gate = threading.Condition()
         self._in_flight = 0
         self._loading = False
@@ -88,11 +91,8 @@ class Generator:
             self._gate.wait_for(lambda: not self._loading)
             self._in_flight += 1
         try:
-            if self.env is None:
-                return self._generate(prompts, sampling)
-            tokenizer = self.engine.tokenizer
-            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-            return run_episodes(self._generate, self.env, encode, prompts, sampling,
+            # a single-turn task is the one-turn episode: the engine's samples as they are
+            return run_episodes(self._generate, self.env, self._encode, prompts, sampling,
                                 self.max_turns, later=self._later_turn)  # fmt: skip
         except Exception as exc:
             if _engine_dead(exc):
