@@ -75,10 +75,15 @@ def admissible_groups(
     return max(0, budget - outstanding)
 
 
-def instruction_text(config: Config) -> str | None:
-    """The instruction put before each problem: data.instruction resolved."""
+def instruction_text(config: Config) -> str | list[dict] | None:
+    """What goes before each problem: data.instruction resolved, and with data.few_shot the
+    system turn and the example turns as messages (`format_prompt`)."""
     value = config.data.instruction
-    return {"r1": R1_INSTRUCTION, "none": None}.get(value, value)
+    text = {"r1": R1_INSTRUCTION, "none": None}.get(value, value)
+    if not config.data.few_shot:
+        return text
+    system = [{"role": "system", "content": text}] if text else []
+    return system + [dict(m) for m in config.data.few_shot]
 
 
 def step_seed(config: Config, step: int) -> int:

@@ -195,3 +195,21 @@ def test_evaluation_temperatures_and_harder_split(tmp_path):
         load_config(None, ["data.source=file", f"data.path={path}", f"data.eval_path={path}",
                            "eval.hard_config={min_terms: 5}"])  # fmt: skip
     assert "eval.hard_config describes a harder reasoning_gym split" in str(err.value)
+
+
+def test_few_shot_turns_go_between_the_instruction_and_the_problem(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from cagrpo_ray.config import ConfigError, load_config
+    from cagrpo_ray.data.prompts import format_prompt_text
+    from cagrpo_ray.scheduler import instruction_text
+
+    config = load_config("configs/cpu-smollm2-tools.yaml")
+    turns = instruction_text(config)
+    assert turns[0]["role"] == "system" and len(turns) == 1 + len(config.data.few_shot)
+    text = format_prompt_text(AutoTokenizer.from_pretrained(smollm2_dir), "Calculate 1 + 2.", turns)
+    parts = ("You have a calculator", "<tool>calculator: 12 + 30 * 2</tool>", "Calculate 1 + 2.")
+    system, example, question = (text.index(part) for part in parts)
+    assert system < example < question and text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match=r"data.few_shot\[0\]"):
+        load_config(None, ["data.few_shot=[{role: tool, content: x}]"])

@@ -79,7 +79,8 @@ class RunConfig(Section):
 class ModelConfig(Section):
     path: str = Field(
         "chain_sum",
-        description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard; built on "
+        description="Policy: a built-in small-policy preset (chain_sum, chain_sum_hard, "
+        "chain_sum_tools; built on "
         "first use and cached), the built-in pretrained smollm2-135m-instruct (converted once "
         "from its wheel's GGUF file), a local HF model directory, a local .gguf file, or a hub "
         "name.",
@@ -128,6 +129,12 @@ class DataConfig(Section):
         description="Instruction before each problem: 'r1' (the R1 reasoning instruction), "
         "'none', or the text itself. Templates of the small policies leave it out.",
     )
+    few_shot: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="Example turns between the instruction and each problem, as chat "
+        "messages ({role: user|assistant, content: ...}), e.g. a worked tool call; needs a "
+        "chat template.",
+    )
 
     @model_validator(mode="after")
     def _files_named(self) -> DataConfig:
@@ -137,6 +144,12 @@ class DataConfig(Section):
                 f"data.source 'file' needs data.path and data.eval_path; missing: "
                 f"{', '.join('data.' + k for k in missing)}"
             )
+        for i, message in enumerate(self.few_shot):
+            if set(message) != {"role", "content"} or message["role"] not in ("user", "assistant"):
+                raise ValueError(
+                    f"data.few_shot[{i}] is {message!r}; each is {{role: user or assistant, "
+                    "content: text}"
+                )
         return self
 
 

@@ -14,14 +14,22 @@ R1_INSTRUCTION = (
 PLAIN_TEMPLATE = "{instruction}User: {question}\nAssistant:"
 
 
-def format_prompt_text(tokenizer, question: str, instruction: str | None = R1_INSTRUCTION) -> str:
-    """The prompt text: `question` as the user turn, `instruction` as the system turn.
+def format_prompt_text(
+    tokenizer, question: str, instruction: str | list[dict] | None = R1_INSTRUCTION
+) -> str:
+    """The prompt text: `question` as the user turn, `instruction` as the system turn (or, a
+    list of messages, the turns before it: a system turn and worked examples, `data.few_shot`).
 
     The chat template decides how (and whether) the system turn is rendered: the small
     character-level policies' template leaves it out, because they were trained without it
     (see `cagrpo_ray/policies/tokenizer.py`). The text ends with the template's generation
     prompt, so that the response starts at the assistant's first token (`<think>`).
     """
+    if isinstance(instruction, list):
+        if tokenizer.chat_template is None:
+            raise ValueError("example turns (data.few_shot) need a tokenizer with a chat template")
+        messages = [*instruction, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     if tokenizer.chat_template is None:
         prefix = f"{instruction}\n" if instruction else ""
         return PLAIN_TEMPLATE.format(instruction=prefix, question=question)
@@ -31,7 +39,9 @@ def format_prompt_text(tokenizer, question: str, instruction: str | None = R1_IN
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def format_prompt(tokenizer, question: str, instruction: str | None = R1_INSTRUCTION) -> list[int]:
+def format_prompt(
+    tokenizer, question: str, instruction: str | list[dict] | None = R1_INSTRUCTION
+) -> list[int]:
     """Token ids of `format_prompt_text(tokenizer, question, instruction)`.
 
     Encoded without adding special tokens again: the chat template writes its own bos.
