@@ -47,7 +47,7 @@ import torch
 
 from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import Config
-from cagrpo_ray.data.prompts import R1_INSTRUCTION, format_prompt
+from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
@@ -73,17 +73,6 @@ def admissible_groups(
     """How many more prompt groups may be started now under bound (1) of the module docstring."""
     budget = (gen_version + max_staleness + 1 - train_version) * prompts_per_step
     return max(0, budget - outstanding)
-
-
-def instruction_text(config: Config) -> str | list[dict] | None:
-    """What goes before each problem: data.instruction resolved, and with data.few_shot the
-    system turn and the example turns as messages (`format_prompt`)."""
-    value = config.data.instruction
-    text = {"r1": R1_INSTRUCTION, "none": None}.get(value, value)
-    if not config.data.few_shot:
-        return text
-    system = [{"role": "system", "content": text}] if text else []
-    return system + [dict(m) for m in config.data.few_shot]
 
 
 def step_seed(config: Config, step: int) -> int:
@@ -126,7 +115,7 @@ class Scheduler:
         self._wait = wait
         self.inspect_dir = inspect_dir  # the run directory when steps are inspected
         self.max_staleness = config.run.max_staleness
-        self.instruction = instruction_text(config)
+        self.instruction = prompt_preamble(config.data)
         self.step = 0
         self.policy_version = 0
         self.cursor = 0  # index of the next new training prompt

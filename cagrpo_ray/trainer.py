@@ -30,6 +30,7 @@ import ray
 
 from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
+from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.env.episode import environment_options
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
@@ -38,7 +39,7 @@ from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.engines import engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.scheduler import Scheduler, instruction_text
+from cagrpo_ray.scheduler import Scheduler
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
@@ -321,7 +322,7 @@ class Trainer:
             samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
             sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
             return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
-                            instruction=instruction_text(cfg), details=details,
+                            instruction=prompt_preamble(cfg.data), details=details,
                             extract_answer=answer_extractor(cfg.reward.weights),
                             multi_turn=cfg.rollout.max_turns > 1)  # fmt: skip
 

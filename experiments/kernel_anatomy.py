@@ -49,11 +49,10 @@ import torch
 from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
 from cagrpo_ray.config import load_config
-from cagrpo_ray.data.prompts import format_prompt
+from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 from cagrpo_ray.policies.build import load_policy
 from cagrpo_ray.rewards import RewardFunction
-from cagrpo_ray.scheduler import instruction_text
 
 QUANTILES = (0.001, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 0.999)
 
@@ -316,7 +315,7 @@ def main(argv=None) -> int:
     args.model = args.model or config.model.path
     args.temperature = args.temperature or config.rollout.temperature
     args.max_new_tokens = args.max_new_tokens or config.rollout.max_tokens
-    args.instruction = instruction_text(config)
+    args.instruction = prompt_preamble(config.data)
     d = config.data
     torch.manual_seed(0)
     model, tok = load_policy(args.model, dtype=torch.float32)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from cagrpo_ray.config import load_config
-    from cagrpo_ray.data.prompts import format_prompt
+    from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
     from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
     from cagrpo_ray.metrics.provenance import describe_machine
     from cagrpo_ray.policies.build import resolve_policy
@@ -52,10 +52,9 @@ def main(argv: list[str] | None = None) -> None:
     from cagrpo_ray.rewards.extract import extract_answer_text
     from cagrpo_ray.rollout.engines import make_engine
     from cagrpo_ray.rollout.types import SamplingConfig
-    from cagrpo_ray.scheduler import instruction_text
 
     config = load_config([args.config])
-    instruction = instruction_text(config)
+    instruction = prompt_preamble(config.data)
     path = resolve_policy(config.model.path, gguf_file=config.model.gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = make_engine("vllm", path, seed=0, max_model_len=1024, dtype="float32")

@@ -201,11 +201,10 @@ def test_few_shot_turns_go_between_the_instruction_and_the_problem(smollm2_dir):
     from transformers import AutoTokenizer
 
     from cagrpo_ray.config import ConfigError, load_config
-    from cagrpo_ray.data.prompts import format_prompt_text
-    from cagrpo_ray.scheduler import instruction_text
+    from cagrpo_ray.data.prompts import format_prompt_text, prompt_preamble
 
     config = load_config("configs/cpu-smollm2-tools.yaml")
-    turns = instruction_text(config)
+    turns = prompt_preamble(config.data)
     assert turns[0]["role"] == "system" and len(turns) == 1 + len(config.data.few_shot)
     text = format_prompt_text(AutoTokenizer.from_pretrained(smollm2_dir), "Calculate 1 + 2.", turns)
     parts = ("You have a calculator", "<tool>calculator: 12 + 30 * 2</tool>", "Calculate 1 + 2.")

@@ -48,3 +48,14 @@ def format_prompt(
     """
     text = format_prompt_text(tokenizer, question, instruction)
     return tokenizer.encode(text, add_special_tokens=tokenizer.chat_template is None)
+
+
+def prompt_preamble(data) -> str | list[dict] | None:
+    """What a run puts before each problem, from its `data` config section: `instruction`
+    resolved ('r1': the R1 instruction, 'none': nothing, else the text), and with `few_shot`
+    the system turn and the example turns as messages (`format_prompt`)."""
+    text = {"r1": R1_INSTRUCTION, "none": None}.get(data.instruction, data.instruction)
+    if not data.few_shot:
+        return text
+    system = [{"role": "system", "content": text}] if text else []
+    return system + [dict(m) for m in data.few_shot]
