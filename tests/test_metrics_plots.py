@@ -5,7 +5,7 @@ import math
 import pytest
 
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
-from cagrpo_ray.metrics.plots import FIGURES, plot_run, summarize
+from cagrpo_ray.metrics.plots import FIGURES, OPTIONAL_FIGURES, plot_run, summarize
 
 pytestmark = pytest.mark.unit
 
@@ -35,6 +35,10 @@ def test_plots_are_written_for_every_figure(tmp_path):
         }
         for s in range(1, 11)
     ]
+    paths = plot_run(records, tmp_path / "plots")
+    assert sorted(p.stem for p in paths) == sorted(set(FIGURES) - OPTIONAL_FIGURES)
+    for record in records:  # a multi-turn run's log
+        record["env/tool_calls_per_episode"] = 0.5
     paths = plot_run(records, tmp_path / "plots")
     assert sorted(p.stem for p in paths) == sorted(FIGURES)
     for path in paths:

@@ -27,7 +27,19 @@ FIGURES: dict[str, tuple[str, str, list[str]]] = {
     "kernel_weights": ("CA-GRPO kernel weights", "weight", ["cagrpo/weight_*"]),
     "throughput": ("Throughput", "tokens per second", ["throughput/*"]),
     "time": ("Step time by phase", "seconds", ["time/*"]),
+    "tools": (
+        "Multi-turn episodes: tool use",
+        "per episode, or share of tokens",
+        [
+            "env/tool_calls_per_episode",
+            "env/turns_mean",
+            "env/environment_token_fraction",
+            "eval/tool_call_fraction",
+        ],
+    ),  # fmt: skip
 }
+# Figures drawn only when their series are in the log (a single-turn run has no tool use).
+OPTIONAL_FIGURES = {"tools"}
 
 
 def _series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], list[float]]]:
@@ -49,7 +61,8 @@ def _series(records: list[dict], pattern: str) -> dict[str, tuple[list[int], lis
 
 
 def plot_run(records: list[dict], out_dir: str | Path) -> list[Path]:
-    """Write one PNG per figure in FIGURES; returns the paths written."""
+    """Write one PNG per figure in FIGURES (those of OPTIONAL_FIGURES only with data);
+    returns the paths written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -57,6 +70,8 @@ def plot_run(records: list[dict], out_dir: str | Path) -> list[Path]:
         series = {}
         for pattern in patterns:
             series.update(_series(records, pattern))
+        if not series and name in OPTIONAL_FIGURES:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4))
         for key, (steps, values) in series.items():
             ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=key)
