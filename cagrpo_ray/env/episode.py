@@ -249,8 +249,11 @@ def run_episodes(
             one = dataclasses.replace(sampling, n=1, max_tokens=room, stop=stop, seed=seed)
             return later([context], one)[0][0]
 
-        return run_episode(turn, env, encode, prompts[index], max_turns, sampling.max_tokens,
-                           first=completion).completion()  # fmt: skip
+        episode = run_episode(turn, env, encode, prompts[index], max_turns,
+                              sampling.max_tokens, first=completion)  # fmt: skip
+        if episode.turns == 1 and not episode.tool_calls:
+            return completion  # the engine's sample itself, whatever its weight loads said
+        return episode.completion()
 
     jobs = [(i, j, c) for i, group in enumerate(first) for j, c in enumerate(group)]
     if max_turns == 1:  # nothing goes on: no thread needed (the single-turn tasks)
