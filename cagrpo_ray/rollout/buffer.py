@@ -114,9 +114,8 @@ def group_record_batch(
     return pa.RecordBatch.from_pydict(columns, schema=ROLLOUT_SCHEMA)
 
 
-_ENV_FIELDS = {"policy_mask": "from_policy", "turns": "turns", "tool_calls": "tool_calls",
-               "tool_errors": "tool_errors", "tool_timeouts": "tool_timeouts",
-               "tool_seconds": "tool_seconds"}  # fmt: skip
+# column -> the `Completion` field it holds: its own name, but for the policy mask
+_ENV_FIELDS = {name: name for name in ENV_DEFAULTS} | {"policy_mask": "from_policy"}
 
 
 def with_env_columns(table: pa.Table) -> pa.Table:
