@@ -22,8 +22,11 @@ pinned commit. A new run folder starts from that archive, so the plan carries on
 last machine stopped. A run's final policy (540 MB) does not travel, so each grid and seeds
 run is evaluated on the test split as soon as it finishes; no rule reads those results
 (`choices` reads only metrics and summaries) and the table shows them only once every planned
-run has finished. `--finish-by HH:MM` (UTC) starts a run only if it is expected to end, its
-test evaluation included, by then.
+run has finished. A run whose policy was lost with its machine before its test evaluation is
+trained again at the end (the same command from the same commit, into `<out>/retrain/`) and
+tested from there; `reproduced.json` in its kept folder says whether the second training
+matched the first step by step. `--finish-by HH:MM` (UTC) starts a run only if it is expected
+to end, its test evaluation included, by then.
 """
 
 from __future__ import annotations
@@ -50,7 +53,16 @@ PYTHON = str(REPO / ".venv/bin/python")
 TEST_SETTINGS = {"T0.7": ("0.7", "4"), "T0": ("0", "1")}  # temperature, samples a prompt
 EVIDENCE = REPO / "docs/results/evidence3"  # the anatomy's results, committed
 ARCHIVE = EVIDENCE / "kept"  # what outlives a machine of the training runs, committed
-KEPT = ("metrics.jsonl", "summary.json", "provenance.json", "config.json")
+KEPT = (
+    "metrics.jsonl",
+    "summary.json",
+    "provenance.json",
+    "config.json",
+    "eval_before.json",
+    "reproduced.json",
+)
+RETRAIN = "retrain"  # where a run whose final policy was lost untested is trained again
+REPRODUCED_KEYS = ("reward/mean", "entropy/mean", "response/length_mean", "loss/total")
 # Estimates for --finish-by before any run has finished here: seconds a step (start-up and
 # evaluations included) and seconds of one run's test evaluation (1,024 + 256 completions).
 STEP_S, TEST_S = 90.0, 900.0
@@ -118,11 +130,41 @@ def seconds_until(clock: str, now: datetime | None = None) -> float:
 
 
 def finished(run: plan.Run, out: Path) -> tuple[list[dict], dict] | None:
-    """(metrics records, summary) of a finished run, else None."""
+    """(metrics records, summary) of a finished run, else None. A resumed run's summary takes
+    its step-0 evaluation from `eval_before.json` where it lacks one (`step0_evaluation`)."""
     summary = out / run.name / "summary.json"
     if not summary.exists():
         return None
-    return read_metrics(out / run.name / "metrics.jsonl"), json.loads(summary.read_text())
+    loaded = json.loads(summary.read_text())
+    if "eval_before" not in loaded:
+        before = step0_evaluation(out, run.name)
+        if before is not None:
+            loaded["eval_before"] = before
+    return read_metrics(out / run.name / "metrics.jsonl"), loaded
+
+
+def step0_evaluation(out: Path, name: str) -> dict | None:
+    """The step-0 evaluation of a run whose summary lacks it (a resumed run: the pinned
+    trainer evaluates step 0 only in a run's first attempt): `<run>/eval_before.json`, else
+    written there from the first attempt's line `eval (before, step 0): k=v, ...` in the run's
+    log (`<out>/<name>.log`, which a resumed attempt appends to), at its 3 decimals."""
+    kept = out / name / "eval_before.json"
+    if kept.exists():
+        return json.loads(kept.read_text())
+    log = out / f"{name}.log"
+    if not log.exists():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        _, marker, values = line.partition("eval (before, step 0): ")
+        if marker:
+            result: dict = {}
+            for pair in values.split(", "):
+                key, _, value = pair.partition("=")
+                result[key] = float(value)
+            result["source"] = f"{log.name}, line 'eval (before, step 0)', as logged (3 decimals)"
+            kept.write_text(json.dumps(result, indent=1))
+            return result
+    return None
 
 
 def choices(out: Path) -> dict:
@@ -222,6 +264,41 @@ def test_policy(name: str, model: str, out: Path, src: Path, archive: Path = ARC
                 keep(out, f"test/{result.name}", archive)
 
 
+def tested(name: str, out: Path) -> bool:
+    """Whether policy `name` has a test result at every setting."""
+    return all((out / "test" / f"{name}-{key}.json").exists() for key in TEST_SETTINGS)
+
+
+def retrain(run: plan.Run, out: Path, commit: str, src: Path, archive: Path = ARCHIVE) -> Path:
+    """Train a finished run again, the same command from the same pinned commit, into
+    `<out>/retrain/`, for a run whose final policy was lost with its machine before its test
+    evaluation; its folder (and the archive) gets `reproduced.json`, how far the new run's
+    training signals are from the kept run's step by step. Returns the new policy's folder."""
+    again = out / RETRAIN
+    again.mkdir(exist_ok=True)
+    execute(run, again, commit, src, argv=train_command(run, again))
+    if finished(run, again) is not None:
+        kept = read_metrics(out / run.name / "metrics.jsonl")
+        new = read_metrics(again / run.name / "metrics.jsonl")
+        (out / run.name / "reproduced.json").write_text(json.dumps(reproduction(kept, new)))
+        keep(out, run.name, archive)
+    return again / run.name / "policy"
+
+
+def reproduction(kept: list[dict], new: list[dict]) -> dict:
+    """Per training signal, the largest |difference| between two runs' step records, and the
+    first step at which any of them differs (None: identical at every step both have)."""
+    pairs = list(zip(kept, new, strict=False))
+    diffs = {
+        key: max((abs(a[key] - b[key]) for a, b in pairs if key in a and key in b), default=0.0)
+        for key in REPRODUCED_KEYS
+    }
+    first = next(
+        (a["step"] for a, b in pairs if any(a.get(k) != b.get(k) for k in REPRODUCED_KEYS)), None
+    )
+    return {"steps_compared": len(pairs), "max_abs_diff": diffs, "first_differing_step": first}
+
+
 def run_logged(argv: list[str], log: Path, src: Path) -> int:
     """One command in the pinned snapshot (its cwd too, so `-m cagrpo_ray...` imports it)."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(src.resolve())}
@@ -303,11 +380,21 @@ def write_table(out: Path, page: Path) -> None:
         lines += ["| policy | test pass@1 T=0.7 | test pass@1 greedy |", "|---|---|---|"]
         for name, values in tests.items():
             cells = [f"{values[k]:.3f}" if k in values else "" for k in ("T0.7", "T0")]
-            lines.append(f"| {name} | {' | '.join(cells)} |")
+            lines.append(f"| {name}{_retrained(out, name)} | {' | '.join(cells)} |")
         lines += ["", "Verdict: `" + json.dumps(verdict(out, made)) + "`"]
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")
     (out / "choices.json").write_text(json.dumps(made, indent=2))
+
+
+def _retrained(out: Path, name: str) -> str:
+    """A note on a policy trained again for its test (`retrain`), else ""."""
+    path = out / name / "reproduced.json"
+    if not path.exists():
+        return ""
+    first = json.loads(path.read_text())["first_differing_step"]
+    same = "identical at every step" if first is None else f"differs from step {first}"
+    return f" (trained again for its test: {same})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -363,11 +450,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[study3] {stop} exists: no more runs started", flush=True)
         return 0
     # Every training run has ended: the starting policy on the test split, and any run whose
-    # test evaluation is missing while its policy is still here.
+    # test evaluation is missing: from its policy if it is still here, else trained again.
     test_policy("start", "smollm2-135m-instruct", out, src, args.archive)
     for r in planned(out):
-        if r.group != "probe" and (out / r.name / "policy").exists():
-            test_policy(r.name, str(out / r.name / "policy"), out, src, args.archive)
+        if r.group == "probe" or tested(r.name, out) or stop.exists():
+            continue
+        policy = out / r.name / "policy"
+        if not policy.exists():
+            if args.finish_by and expected_s(r, out) > seconds_until(args.finish_by):
+                print(f"[study3] {r.name} would be trained again to test it; it would not "
+                      f"end by {args.finish_by} UTC: not started", flush=True)  # fmt: skip
+                return 0
+            policy = retrain(r, out, commit, src, args.archive)
+        if policy.exists():
+            test_policy(r.name, str(policy), out, src, args.archive)
     write_table(out, args.page)
     return 0
 

@@ -125,9 +125,12 @@ def grid_lrs(center: str | None) -> tuple[str, str, str]:
 
 
 def validation_curve(records: list[dict], summary: dict) -> list[float]:
-    """Validation pass@1 at T=0.7 at each evaluation after step 0, in step order."""
+    """Validation pass@1 at T=0.7 at each evaluation after step 0, in step order. The final
+    evaluation counts once: a run whose last step is a multiple of `run.eval_every` evaluates
+    it in that step's record and again, the same policy, as `eval_after`."""
     values = [r["eval/pass@1"] for r in records if "eval/pass@1" in r]
-    if "eval_after" in summary:
+    last_step_evaluated = bool(records) and "eval/pass@1" in records[-1]
+    if "eval_after" in summary and not last_step_evaluated:
         values.append(summary["eval_after"]["pass@1"])
     return values
 

@@ -75,6 +75,18 @@ def test_the_lr_rule_reads_the_last_two_validation_points_and_skips_broken_runs(
     assert plan.chosen_lr(broken)[0] == "1e-5"
 
 
+def test_the_final_evaluation_counts_once():
+    # The runs evaluate every 20 steps, step 60 included, and once more at the end (the same
+    # policy): the last two evaluations are those of steps 40 and 60.
+    recs, summary = grid_run(0.25, [0.20, 0.30, 0.40])
+    recs[59]["eval/pass@1"] = summary["eval_after"]["pass@1"]
+    assert plan.validation_curve(recs, summary) == [0.20, 0.30, 0.40]
+    other, other_summary = grid_run(0.25, [0.20, 0.36, 0.36])
+    other[59]["eval/pass@1"] = other_summary["eval_after"]["pass@1"]
+    lr, why = plan.chosen_lr({"1e-5": (recs, summary), "3e-5": (other, other_summary)})
+    assert lr == "3e-5" and "score 0.350" in why["1e-5"] and "score 0.360" in why["3e-5"]
+
+
 def test_run_settings_put_the_method_lr_and_seed_last():
     run = plan.run("grid", "cagrpo", "3e-5", 2)
     settings = run.settings()
@@ -190,3 +202,78 @@ def test_the_anatomy_runs_only_the_batches_not_measured_yet(tmp_path):
     argv = study3.anatomy_command("1", "1", tmp_path)
     assert argv[argv.index("--seeds") + 1 :][:2] == ["1", "--chunk-rows"]
     assert argv[-1].endswith("anatomy-smollm2-T1-seed1.json")
+
+
+def test_a_resumed_run_takes_its_step0_evaluation_from_its_first_attempts_log(tmp_path):
+    run = plan.grid_runs("3e-5")[0]
+    recs, summary = grid_run(0.25, [0.3, 0.3, 0.3])
+    del summary["eval_before"]  # the pinned trainer evaluates step 0 in a first attempt only
+    write_run(tmp_path, run, recs, summary)
+    assert "eval_before" not in study3.finished(run, tmp_path)[1]
+    (tmp_path / f"{run.name}.log").write_text(
+        "INFO step 1 ...\n"
+        "2026-12-02 04:01:02 INFO cagrpo_ray: eval (before, step 0): pass@1=0.148, "
+        "T0/pass@1=0.172, mean_response_tokens=94.219\n"
+        "INFO eval (step 20): pass@1=0.156\n"
+    )
+    before = study3.finished(run, tmp_path)[1]["eval_before"]
+    assert before["pass@1"] == 0.148 and before["T0/pass@1"] == 0.172
+    assert before["mean_response_tokens"] == 94.219 and "log" in before["source"]
+    (tmp_path / f"{run.name}.log").unlink()  # kept in the run's folder, and so in the archive
+    assert study3.finished(run, tmp_path)[1]["eval_before"] == before
+
+
+def test_reproduction_finds_the_first_step_two_runs_differ():
+    kept = records(1.0, 0.5, **{"reward/mean": 0.25})
+    assert study3.reproduction(kept, [dict(r) for r in kept])["first_differing_step"] is None
+    new = [dict(r) for r in kept]
+    new[6]["entropy/mean"] += 0.125
+    new[9]["reward/mean"] -= 0.5
+    found = study3.reproduction(kept, new)
+    assert found["first_differing_step"] == 7 and found["steps_compared"] == 20
+    assert found["max_abs_diff"]["entropy/mean"] == pytest.approx(0.125)
+    assert found["max_abs_diff"]["reward/mean"] == pytest.approx(0.5)
+
+
+def test_a_run_whose_policy_was_lost_untested_is_trained_again_then_tested(tmp_path, monkeypatch):
+    out, archive = tmp_path / "out", tmp_path / "archive"
+    for run, ratio in zip(plan.probe_runs(), (1.0, 1.0, 2.5), strict=True):
+        write_run(out, run, records(1.0, ratio), {"eval_before": {"pass@1": 0.25}})
+    runs = plan.grid_runs("3e-5")
+    for run in runs:
+        write_run(out, run, *grid_run(0.25, [0.3, 0.3, 0.35 if run.lr == "3e-5" else 0.3]))
+        (out / run.name / "policy").mkdir()
+    runs += plan.seed_runs(study3.choices(out)["chosen_lr"])
+    for run in runs[6:]:
+        write_run(out, run, *grid_run(0.25, [0.3, 0.3, 0.3]))
+        (out / run.name / "policy").mkdir()
+    lost = runs[0]
+    (out / lost.name / "policy").rmdir()  # its machine ended before its test evaluation
+    trained, tested = [], []
+
+    def execute(run, folder, commit, src, argv):  # the training: the kept run, one step off
+        trained.append((run.name, folder.name, "--resume" in argv))
+        recs, summary = grid_run(0.25, [0.3, 0.3, 0.3])
+        recs[41]["entropy/mean"] += 0.01
+        write_run(folder, run, recs, summary)
+        (folder / run.name / "policy").mkdir()
+
+    def run_logged(argv, log, src):  # the test evaluation
+        tested.append(argv[argv.index("--model") + 1])
+        result = Path(argv[argv.index("--out") + 1])
+        result.write_text(json.dumps({"metrics": {"pass@1": 0.3}}))
+        return 0
+
+    monkeypatch.setattr(study3, "execute", execute)
+    monkeypatch.setattr(study3, "run_logged", run_logged)
+    monkeypatch.setattr(study3, "pinned_source", lambda out: ("abc", out))
+    monkeypatch.setattr(study3, "anatomy_missing", lambda: [])
+    page = tmp_path / "runs.md"
+    assert study3.main(["--out", str(out), "--page", str(page), "--archive", str(archive)]) == 0
+    assert trained == [(lost.name, "retrain", False)]  # only the run with no policy
+    assert str(out / "retrain" / lost.name / "policy") in tested
+    assert len(tested) == 2 * (1 + len(runs))  # the start and every run, at both settings
+    reproduced = json.loads((archive / lost.name / "reproduced.json").read_text())
+    assert reproduced["first_differing_step"] == 42
+    assert f"{lost.name} (trained again for its test: differs from step 42)" in page.read_text()
+    assert "Verdict" in page.read_text()
