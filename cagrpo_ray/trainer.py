@@ -10,7 +10,8 @@ far generation runs ahead of training; 0 is the synchronous schedule):
 A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state, scheduler
 state: step, data cursor, policy version, prompts in flight; buffered rollouts; the policy as
 a Hugging Face directory), `policy/` (the final policy, loadable by transformers, vLLM and
-`python -m cagrpo_ray.eval --model`), end-of-run plots and `summary.json`.
+`python -m cagrpo_ray.eval --model`), end-of-run plots and `summary.json` (with the step-0
+evaluation, kept in `eval_before.json` for a run that resumes).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ log = logging.getLogger("cagrpo_ray")
 
 STATE_FILE = "trainer_state.json"
 POLICY_DIR = "policy"
+EVAL_BEFORE_FILE = "eval_before.json"  # the step-0 evaluation, for the summary of a resumed run
 EVAL_SEED = 12345
 
 
@@ -343,10 +345,14 @@ class Trainer:
         try:
             self.setup()
             summary: dict = {}
+            before = self.run_dir / EVAL_BEFORE_FILE
             if self.step == 0:
                 summary["eval_before"] = self.evaluate("before")
+                before.write_text(json.dumps(summary["eval_before"]))
                 if self.exporter is not None:
                     self.exporter.observe_step(0, _prefixed("eval/", summary["eval_before"]))
+            elif before.exists():  # resumed: the run's summary still starts from step 0
+                summary["eval_before"] = json.loads(before.read_text())
             self.metrics.truncate_after(self.step)
             while self.step < cfg.run.steps and not self.stop_requested:
                 self._log_step(self.scheduler.train_step())

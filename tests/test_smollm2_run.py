@@ -121,6 +121,7 @@ def test_sigterm_checkpoints_and_resume_finishes_the_run(smollm2_run):
     assert f"step_{stopped:06d}" in part1["checkpoints"]
     assert "eval_before" in part1["summary"]
     assert summary["final_step"] == STEPS and "stopped_at" not in summary
+    assert summary["eval_before"] == part1["summary"]["eval_before"]  # kept across the resume
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # none lost, none twice
 
