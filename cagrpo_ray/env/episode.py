@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 from cagrpo_ray.env.tools import MAX_OUTPUT_CHARS, TOOLS, ToolResult, run_calculator, run_python
@@ -265,13 +266,19 @@ def run_episodes(
     return [played[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """How an environment's text becomes tokens of an episode (`run_episodes`'s `encode`):
+    the tokenizer's ids alone, no special tokens (the chat template's are in the text)."""
+    return partial(tokenizer.encode, add_special_tokens=False)
+
+
 class EpisodePlayer:
     """An engine whose `generate` plays episodes (`run_episodes`) with `env`: what evaluates a
     multi-turn policy outside a run (`python -m cagrpo_ray.eval --max-turns`)."""
 
     def __init__(self, engine, env: Environment, max_turns: int, tokenizer):
         self.engine, self.env, self.max_turns = engine, env, max_turns
-        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self._encode = text_encoder(tokenizer)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
         return run_episodes(self.engine.generate, self.env, self._encode, prompts, sampling,

@@ -34,7 +34,7 @@ import threading
 import ray
 
 from cagrpo_ray.console import redirect_output
-from cagrpo_ray.env.episode import SINGLE_TURN, ToolEnvironment, run_episodes
+from cagrpo_ray.env.episode import SINGLE_TURN, ToolEnvironment, run_episodes, text_encoder
 
 from .engines import make_engine
 from .types import Completion, SamplingConfig
@@ -63,8 +63,7 @@ class Generator:
         environment = dict(environment or {})
         self.max_turns = environment.pop("max_turns", 1)
         self.env = ToolEnvironment(**environment) if self.max_turns > 1 else SINGLE_TURN
-        tokenizer = self.engine.tokenizer
-        self._encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self._encode = text_encoder(self.engine.tokenizer)
         self._gate = threading.Condition()
         self._in_flight = 0
         self._loading = False
