@@ -249,19 +249,35 @@ def test_command(model: str, result: Path, key: str) -> list[str]:
         "--max-tokens", str(config.rollout.max_tokens),
         "--max-model-len", str(config.rollout.max_model_len),
         "--weights", json.dumps(config.reward.weights),
-        "--instruction", config.data.instruction, "--seed", "0", "--out", str(result),
+        "--instruction", config.data.instruction, "--seed", "0", "--out", str(result.resolve()),
     )  # fmt: skip
 
 
 def test_policy(name: str, model: str, out: Path, src: Path, archive: Path = ARCHIVE) -> None:
-    """The test split on one policy, at each setting it lacks, each result kept."""
+    """The test split on one policy (a folder, or a built-in preset), at each setting it
+    lacks, each result kept. The evaluation runs in the snapshot's folder: paths go absolute."""
     (out / "test").mkdir(exist_ok=True)
+    if Path(model).exists():
+        model = str(Path(model).resolve())
     for key in TEST_SETTINGS:
         result = out / "test" / f"{name}-{key}.json"
         if not result.exists():
-            run_logged(test_command(model, result, key), out / "test" / f"{name}-{key}.log", src)
+            log = out / "test" / f"{name}-{key}.log"
+            rc = run_logged(test_command(model, result, key), log, src)
             if result.exists():
                 keep(out, f"test/{result.name}", archive)
+            else:
+                print(f"[study3] the test of {name} at {key} FAILED (rc {rc}); see {log}; "
+                      "the next run of the study tries it again", flush=True)  # fmt: skip
+
+
+def test_finished(out: Path, src: Path, archive: Path = ARCHIVE) -> None:
+    """The test split on every finished grid or seeds run whose policy is here and whose
+    test results are not all here (a run's policy does not outlive its machine)."""
+    for r in planned(out):
+        policy = out / r.name / "policy"
+        if r.group != "probe" and finished(r, out) and not tested(r.name, out) and policy.exists():
+            test_policy(r.name, str(policy), out, src, archive)
 
 
 def tested(name: str, out: Path) -> bool:
@@ -423,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(shlex.join(argv))
             else:
                 run_logged(argv, out / f"anatomy-T{temperature}-seed{seed}.log", src)
+    if not args.dry_run:
+        test_finished(out, src, args.archive)
     while not stop.exists():
         todo = [r for r in planned(out) if finished(r, out) is None]
         if args.dry_run:
@@ -443,8 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[study3] {run.name} did not finish; rerun to resume it", flush=True)
             return 1
         keep(out, run.name, args.archive)
-        if run.group != "probe":  # its policy does not outlive this machine: test it now
-            test_policy(run.name, str(out / run.name / "policy"), out, src, args.archive)
+        test_finished(out, src, args.archive)  # its policy does not outlive this machine
         write_table(out, args.page)
     if stop.exists():
         print(f"[study3] {stop} exists: no more runs started", flush=True)

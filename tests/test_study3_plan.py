@@ -277,3 +277,34 @@ def test_a_run_whose_policy_was_lost_untested_is_trained_again_then_tested(tmp_p
     assert reproduced["first_differing_step"] == 42
     assert f"{lost.name} (trained again for its test: differs from step 42)" in page.read_text()
     assert "Verdict" in page.read_text()
+
+
+def test_a_finished_runs_test_gets_absolute_paths_and_is_retried_on_the_next_start(
+    tmp_path, monkeypatch
+):
+    # The evaluation runs in the pinned snapshot's folder: relative paths would name nothing.
+    monkeypatch.chdir(tmp_path)
+    out = Path("out")
+    for run, ratio in zip(plan.probe_runs(), (1.0, 1.0, 2.5), strict=True):
+        write_run(out, run, records(1.0, ratio), {"eval_before": {"pass@1": 0.25}})
+    grid = plan.grid_runs("3e-5")
+    write_run(out, grid[0], *grid_run(0.25, [0.3, 0.3, 0.3]))
+    (out / grid[0].name / "policy").mkdir()
+    calls = []
+
+    def run_logged(argv, log, src):
+        calls.append(argv)
+        return 1  # the evaluation failed: no result written
+
+    monkeypatch.setattr(study3, "run_logged", run_logged)
+    study3.test_finished(out, tmp_path / "src", tmp_path / "archive")
+    assert len(calls) == 2  # both settings of the one finished grid run
+    for argv in calls:
+        model, result = argv[argv.index("--model") + 1], argv[argv.index("--out") + 1]
+        assert (
+            model == str((out / grid[0].name / "policy").resolve()) and Path(result).is_absolute()
+        )
+    assert not study3.tested(grid[0].name, out)
+    calls.clear()
+    study3.test_finished(out, tmp_path / "src", tmp_path / "archive")  # tried again
+    assert len(calls) == 2
