@@ -221,3 +221,23 @@ def test_hostile_code_through_the_reward_function_leaves_the_caller_healthy():
         assert all(r.error is None for r in results)  # the sandbox's deadline, not the pool's
         assert reward_fn.pool.restarts == 0
     assert not harness_processes()
+
+
+@pytest.mark.unit
+def test_the_interpreters_start_is_not_the_solutions_time(tmp_path, monkeypatch):
+    # A harness that takes 1.5 s to start (a loaded machine): a solution with a 1 s budget
+    # still runs, its clock starting at the harness's first report; a start past `start_s`
+    # is the sandbox's failure, said as one.
+    slow = tmp_path / "sandbox_harness.py"
+    slow.write_text(
+        "import runpy, time\ntime.sleep(1.5)\n"
+        f"runpy.run_path({str(sandbox_module.HARNESS)!r}, run_name='__main__')\n"
+    )
+    monkeypatch.setattr(sandbox_module, "HARNESS", slow)
+    run = run_solution(DOUBLE, ["2\n"], limits=SandboxLimits(wall_s=1.0))
+    assert run.outputs == ["4\n"] and run.case_status == ["ok"] and not run.timed_out
+    hang = run_solution("while True:\n    pass\n", ["2\n"], limits=SandboxLimits(wall_s=1.0))
+    assert hang.timed_out and hang.case_status == ["did not finish"]
+    with pytest.raises(RuntimeError, match="sent no report .* timed out"):
+        run_solution(DOUBLE, ["2\n"], limits=SandboxLimits(wall_s=1.0, start_s=0.5))
+    assert not harness_processes()

@@ -54,7 +54,10 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 class SandboxLimits:
     """Limits of one solution's run; all of its test cases share them."""
 
-    wall_s: float = 4.0  # wall-clock budget for all test cases together (seconds)
+    wall_s: float = 4.0  # wall-clock budget for all test cases together (seconds), counted
+    # from the interpreter's first report, so that a slow start on a loaded machine is not
+    # the solution's time
+    start_s: float = 30.0  # the interpreter's start, up to that report
     memory_bytes: int = 1 << 30  # address space (RLIMIT_AS)
     max_processes: int = 32  # RLIMIT_NPROC, counted per user by the kernel; not applied to root
     output_bytes: int = 1 << 20  # stdout kept per test case; more fails the case
@@ -152,8 +155,8 @@ def _run_child(workdir: str, limits: SandboxLimits, read_cap: int):
         # sleeps without holding a lock that the child could need.
         preexec_fn=lambda: _confine_child(limits),
     )
-    chunks, size, timed_out, truncated = [], 0, False, False
-    deadline = time.monotonic() + limits.wall_s
+    chunks, size, timed_out, truncated, started = [], 0, False, False, False
+    deadline = time.monotonic() + limits.start_s
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         while True:
@@ -168,6 +171,8 @@ def _run_child(workdir: str, limits: SandboxLimits, read_cap: int):
                 break
             chunks.append(chunk)
             size += len(chunk)
+            if not started and b"\n" in chunk:  # the harness's first line: the solution's
+                started, deadline = True, time.monotonic() + limits.wall_s  # clock starts
             if size > read_cap:
                 truncated = True
                 break
