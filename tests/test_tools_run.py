@@ -1,7 +1,7 @@
 """Multi-turn episodes with the calculator, end to end on the CPU (`configs/cpu-tools.yaml`):
-a small policy warm-started like the `chain_sum_tools` preset on a shorter budget (it calls
-the tool, not always well), a vLLM generator, 2 DeepSpeed ranks, real Ray, the asynchronous
-schedule (bound 1, so episodes are in flight at every checkpoint).
+a small policy warm-started like the `chain_sum_tools` preset on a smaller budget
+(`tools_policy`: it calls the tool, not always well), a vLLM generator, 2 DeepSpeed ranks, real
+Ray, the asynchronous schedule (bound 1, so episodes are in flight at every checkpoint).
 
 One run of 4 steps, then a second run that resumes from its step-2 checkpoint to step 4:
 
@@ -19,6 +19,7 @@ One run of 4 steps, then a second run that resumes from its step-2 checkpoint to
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -37,7 +38,16 @@ pytestmark = pytest.mark.integration
 
 CONFIG = "configs/cpu-tools.yaml"
 STEPS, RESUME_AT, PROMPTS, GROUP = 4, 2, 8, 8
-SFT_STEPS = 150  # the preset's warm start, cut short: enough to call the tool
+# The preset's warm start, cut short: 150 steps of 16 examples (the preset's steps have 64),
+# and 64 held-out prompts for its build_info (256). A build takes about a quarter of the
+# 150 x 64 one (271 s on an idle 2-core machine), and its policy calls the calculator in 23 of
+# 64 sampled held-out responses (the 150 x 64 one: 31; 100 x 16: 20, with 9 well-formed).
+SFT_STEPS, SFT_BATCH, SFT_EVAL = 150, 16, 64
+
+
+def tools_policy():
+    spec = PRESETS["chain_sum_tools"].with_budget(SFT_STEPS)
+    return ensure_policy(dataclasses.replace(spec, batch_size=SFT_BATCH, eval_size=SFT_EVAL))
 
 
 def overrides(tmp_path, name, policy, steps=STEPS):
@@ -82,7 +92,7 @@ class TableTrainer(RecordingTrainer):
 
 @pytest.fixture(scope="module")
 def tools_runs(tmp_path_factory):
-    policy = ensure_policy(PRESETS["chain_sum_tools"].with_budget(SFT_STEPS))
+    policy = tools_policy()
     os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
     ray.init(num_cpus=3, include_dashboard=False)
     try:
@@ -189,7 +199,7 @@ def test_the_evaluation_cli_plays_episodes_with_the_calculator(tmp_path):
     import subprocess
     import sys
 
-    policy = ensure_policy(PRESETS["chain_sum_tools"].with_budget(SFT_STEPS))
+    policy = tools_policy()
     out = tmp_path / "results.json"
     data = "reasoning_gym:chain_sum?seed=5&size=8&min_terms=3&max_terms=4&min_digits=2&max_digits=3"
     command = [sys.executable, "-m", "cagrpo_ray.eval", "--model", str(policy), "--data", data,
