@@ -200,6 +200,7 @@ class Trainer:
                 cfg.algorithm.loss_spec(),
                 actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
                 log_dir=self.log_dir,
+                shard_by=cfg.learner.shard_by,
             )
             try:
                 self._wait([g.ready.remote() for g in generators], "generator replicas to start")

@@ -7,6 +7,7 @@ compared with one in-process rank on the whole batch, and the ranks with each ot
 from __future__ import annotations
 
 import deepspeed
+import numpy as np
 import pytest
 import ray
 import torch
@@ -23,16 +24,60 @@ LOSS = LossSpec("cagrpo", cov_scope="batch")
 
 
 @pytest.mark.unit
-def test_split_keeps_groups_whole_and_balanced():
-    batch = random_batch(num_groups=5, group_size=3)
+def test_split_keeps_groups_whole_and_balances_tokens():
+    # Fresh random batches each run (the seed is in the message): 2 to 4 shards, 2 to 13
+    # groups of 1 to 8 rows, responses of 1 to 40 tokens.
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        shards_wanted = int(rng.integers(2, 5))
+        groups, size = int(rng.integers(shards_wanted, 14)), int(rng.integers(1, 9))
+        batch = random_batch(
+            groups, size, width=int(rng.integers(10, 48)), seed=int(rng.integers(2**31))
+        )
+        shards = split_by_groups(batch, shards_wanted)
+        where = f"seed {seed}: {groups} groups of {size} into {shards_wanted}"
+
+        # each shard: as many groups as an even split by count, whole, in batch order
+        wanted = [len(part) for part in np.array_split(np.arange(groups), shards_wanted)]
+        held = [torch.unique_consecutive(s["group_ids"]).tolist() for s in shards]
+        assert [len(h) for h in held] == wanted, where
+        assert sorted(g for h in held for g in h) == list(range(groups)), where
+        for shard, ids in zip(shards, held, strict=True):
+            assert ids == sorted(ids), where
+            rows = torch.isin(batch["group_ids"], torch.tensor(ids))
+            for key, value in batch.items():
+                assert torch.equal(shard[key], value[rows]), (where, key)
+
+        # by count: the same numbers of groups, consecutive, the batch cut in order
+        by_count = split_by_groups(batch, shards_wanted, by="count")
+        held_by_count = [torch.unique_consecutive(s["group_ids"]).tolist() for s in by_count]
+        assert [len(h) for h in held_by_count] == wanted, where
+        for key, value in batch.items():
+            assert torch.equal(torch.cat([s[key] for s in by_count]), value), (where, key)
+
+        # tokens: the shards differ by at most one group's
+        per_group = [
+            int(batch["attention_mask"][batch["group_ids"] == g].sum()) for g in range(groups)
+        ]
+        loads = [sum(per_group[g] for g in h) for h in held]
+        assert max(loads) - min(loads) <= max(per_group), (where, loads, per_group)
+
+    # By hand: groups of 120, 100, 20 and 20 tokens. Split by count, the shards would hold
+    # groups 0-1 and 2-3 (220 and 40 tokens); balanced: 0 to the first, 1 and 2 to the second
+    # (the lighter), 3 to the first (the second is full): 140 and 120.
+    batch = random_batch(num_groups=4, group_size=2, width=64, seed=1)
+    for row, length in enumerate([60, 60, 50, 50, 10, 10, 10, 10]):
+        batch["attention_mask"][row] = (torch.arange(64) < length).long()
     shards = split_by_groups(batch, 2)
-    assert [s["group_ids"].tolist() for s in shards] == [
-        [0, 0, 0, 1, 1, 1, 2, 2, 2],
-        [3, 3, 3, 4, 4, 4],
-    ]
-    assert torch.equal(torch.cat([s["input_ids"] for s in shards]), batch["input_ids"])
+    assert [torch.unique_consecutive(s["group_ids"]).tolist() for s in shards] == [[0, 3], [1, 2]]
+    assert [int(s["attention_mask"].sum()) for s in shards] == [140, 120]
+    assert [torch.unique_consecutive(s["group_ids"]).tolist() for s in
+            split_by_groups(batch, 2, by="count")] == [[0, 1], [2, 3]]  # fmt: skip
     with pytest.raises(ValueError, match="fewer than the 6 learner ranks"):
-        split_by_groups(batch, 6)
+        split_by_groups(random_batch(num_groups=5, group_size=3), 6)
+    with pytest.raises(ValueError, match="choose one of"):
+        split_by_groups(batch, 2, by="length")
 
 
 @pytest.fixture(scope="module")

@@ -246,6 +246,12 @@ class LearnerConfig(Section):
         "training pass runs in this many length-sorted parts (less padding) and doubles as the "
         "proximal pass.",
     )
+    shard_by: Literal["tokens", "count"] = Field(
+        "tokens",
+        description="How a step's prompt groups are shared among the ranks, as many groups each "
+        "as an even split gives: 'tokens' balances the ranks' token counts (the longest groups "
+        "first, each to the least-loaded rank), 'count' takes consecutive groups.",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute each decoder layer in the backward pass instead of keeping its "

@@ -97,14 +97,25 @@ class LearnerActor:
         return fn(self.learner, *args)
 
 
-def split_by_groups(
-    batch: dict[str, torch.Tensor], num_shards: int
-) -> list[dict[str, torch.Tensor]]:
-    """Cut a learner batch into `num_shards` row ranges of whole prompt groups.
+SHARD_BY = ("tokens", "count")
 
-    Groups are spread as evenly as possible by count (groups of one batch have one size).
+
+def split_by_groups(
+    batch: dict[str, torch.Tensor], num_shards: int, by: str = "tokens"
+) -> list[dict[str, torch.Tensor]]:
+    """Cut a learner batch into `num_shards` shards of whole prompt groups.
+
+    Each shard gets as many groups as an even split by count gives it (counts differ by at most
+    one). `by="count"`: consecutive groups, shard after shard. `by="tokens"`: the groups go,
+    the most tokens first, each to the shard with the fewest tokens so far that has room, so
+    the shards' token counts differ by at most one group's. A rank's step takes time in
+    proportion to its tokens and the ranks meet at every collective: split by count, one rank
+    sat idle for seconds while the other finished (`benchmarks/bench_learner_split.py`).
+    A shard keeps its groups in batch order.
     Raises if there are fewer groups than shards: a rank with no rows cannot take a step.
     """
+    if by not in SHARD_BY:
+        raise ValueError(f"by={by!r}; choose one of {SHARD_BY}")
     sizes = group_sizes(batch["group_ids"]).tolist()
     if len(sizes) < num_shards:
         raise ValueError(
@@ -112,10 +123,27 @@ def split_by_groups(
             f"ranks; send at least {num_shards} groups per step"
         )
     ends = np.cumsum([0, *sizes])
+    if by == "count":
+        return [
+            {k: v[int(ends[chunk[0]]) : int(ends[chunk[-1] + 1])] for k, v in batch.items()}
+            for chunk in np.array_split(np.arange(len(sizes)), num_shards)
+        ]
+    row_tokens = batch["attention_mask"].sum(1).tolist()
+    tokens = [sum(row_tokens[ends[g] : ends[g + 1]]) for g in range(len(sizes))]
+    room = [len(part) for part in np.array_split(np.arange(len(sizes)), num_shards)]
+    members: list[list[int]] = [[] for _ in range(num_shards)]
+    load = [0] * num_shards
+    for g in sorted(range(len(sizes)), key=lambda g: (-tokens[g], g)):
+        shard = min(
+            (s for s in range(num_shards) if len(members[s]) < room[s]),
+            key=lambda s: (load[s], s),
+        )
+        members[shard].append(g)
+        load[shard] += tokens[g]
     shards = []
-    for chunk in np.array_split(np.arange(len(sizes)), num_shards):
-        start, stop = int(ends[chunk[0]]), int(ends[chunk[-1] + 1])
-        shards.append({k: v[start:stop] for k, v in batch.items()})
+    for groups in members:
+        rows = torch.cat([torch.arange(int(ends[g]), int(ends[g + 1])) for g in sorted(groups)])
+        shards.append({k: v[rows] for k, v in batch.items()})
     return shards
 
 
@@ -136,6 +164,7 @@ class LearnerGroup:
         num_gpus_per_learner: float = 0.0,
         actor_options: list[dict] | None = None,
         log_dir: str | Path | None = None,
+        shard_by: str = "tokens",
     ) -> None:
         if num_learners < 1:
             raise ValueError(f"num_learners must be >= 1, got {num_learners}")
@@ -156,6 +185,8 @@ class LearnerGroup:
             remote_cls.options(**options[rank], runtime_env={"env_vars": envs[rank]}).remote()
             for rank in range(num_learners)
         ]
+        self.shard_by = shard_by  # `split_by_groups`'s `by`
+        self._batch_groups: list[int] = []  # the last batch's group ids, in its order
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
         settings = dataclasses.replace(settings, num_threads=threads)
         self._call_all(
@@ -180,8 +211,14 @@ class LearnerGroup:
         """One optimizer step of every rank on its shard of `batch`; returns rank 0's metrics.
 
         A batch that breaks the contract raises ValueError here, before any rank starts."""
-        shards = split_by_groups(check_batch(batch), self.num_learners)
+        shards = self._shards(batch)
         return self._call_all("train_step", args_per_rank=[(ray.put(s),) for s in shards])[0]
+
+    def _shards(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """One shard per rank (`split_by_groups`); the batch's group order, for `inspection`."""
+        shards = split_by_groups(check_batch(batch), self.num_learners, self.shard_by)
+        self._batch_groups = torch.unique_consecutive(batch["group_ids"]).tolist()
+        return shards
 
     def collect_sync_weights(self) -> dict[str, torch.Tensor]:
         """Full parameters by HF name, from rank 0 (every rank takes part in the gathers)."""
@@ -219,20 +256,24 @@ class LearnerGroup:
         """`train_step` without waiting: the ranks' object refs, for `collect(refs)`.
         `inspect_groups`: groups whose per-token values the step keeps (`inspection`);
         `loss_options`: loss options set from this step on (e.g. a controller's kappa)."""
-        shards = split_by_groups(check_batch(batch), self.num_learners)
-        args = [(ray.put(s), inspect_groups, loss_options) for s in shards]
+        args = [(ray.put(s), inspect_groups, loss_options) for s in self._shards(batch)]
         return self._submit("train_step", args_per_rank=args)
 
     def inspection(self) -> dict:
-        """The last step's kept per-token values of every rank, rows concatenated in rank
-        order (each [rows, T] array aligned with the batch's columns)."""
+        """The last step's kept per-token values of every rank, rows in the batch's order
+        (each [rows, T] array aligned with the batch's columns)."""
         parts = [p for p in self._call_all("take_inspection") if p]
         if not parts:
             return {}
-        return {
+        kept = {
             key: None if parts[0][key] is None else np.concatenate([p[key] for p in parts])
             for key in parts[0]
         }
+        # Split by tokens, the shards hold interleaved sets of groups (`split_by_groups`):
+        # back to the order of the groups in the batch (stable: each group's rows keep theirs).
+        position = {g: i for i, g in enumerate(self._batch_groups)}
+        order = np.argsort([position[int(g)] for g in kept["group_ids"]], kind="stable")
+        return {key: None if value is None else value[order] for key, value in kept.items()}
 
     def open_weight_sender(
         self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
