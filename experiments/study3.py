@@ -130,12 +130,17 @@ def seconds_until(clock: str, now: datetime | None = None) -> float:
 
 
 def finished(run: plan.Run, out: Path) -> tuple[list[dict], dict] | None:
-    """(metrics records, summary) of a finished run, else None. A resumed run's summary takes
-    its step-0 evaluation from `eval_before.json` where it lacks one (`step0_evaluation`)."""
+    """(metrics records, summary) of a finished run, else None. A run stopped by a signal has
+    a summary too (`stopped_at`, its checkpoint written): it is not finished, and resumes.
+    A resumed run's summary takes its step-0 evaluation from `eval_before.json` where it
+    lacks one (`step0_evaluation`)."""
     summary = out / run.name / "summary.json"
     if not summary.exists():
         return None
     loaded = json.loads(summary.read_text())
+    steps = int(run.settings()["run.steps"])
+    if "stopped_at" in loaded or loaded.get("final_step", steps) != steps:
+        return None
     if "eval_before" not in loaded:
         before = step0_evaluation(out, run.name)
         if before is not None:

@@ -223,6 +223,17 @@ def test_a_resumed_run_takes_its_step0_evaluation_from_its_first_attempts_log(tm
     assert study3.finished(run, tmp_path)[1]["eval_before"] == before
 
 
+def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
+    # `kill -TERM` of a run: the trainer checkpoints, saves its policy and writes a summary
+    # with `stopped_at`; the run must resume, not be kept, tested or read by a rule.
+    run = plan.grid_runs("3e-5")[0]
+    recs, summary = grid_run(0.25, [0.3, 0.3, 0.3])
+    write_run(tmp_path, run, recs[:11], {**summary, "stopped_at": 11, "final_step": 11})
+    assert study3.finished(run, tmp_path) is None
+    (tmp_path / run.name / "summary.json").write_text(json.dumps({**summary, "final_step": 60}))
+    assert study3.finished(run, tmp_path) is not None
+
+
 def test_reproduction_finds_the_first_step_two_runs_differ():
     kept = records(1.0, 0.5, **{"reward/mean": 0.25})
     assert study3.reproduction(kept, [dict(r) for r in kept])["first_differing_step"] is None
