@@ -123,14 +123,15 @@ def split_by_groups(
             f"ranks; send at least {num_shards} groups per step"
         )
     ends = np.cumsum([0, *sizes])
+    chunks = np.array_split(np.arange(len(sizes)), num_shards)  # the even split by count
     if by == "count":
         return [
             {k: v[int(ends[chunk[0]]) : int(ends[chunk[-1] + 1])] for k, v in batch.items()}
-            for chunk in np.array_split(np.arange(len(sizes)), num_shards)
+            for chunk in chunks
         ]
     row_tokens = batch["attention_mask"].sum(1).tolist()
     tokens = [sum(row_tokens[ends[g] : ends[g + 1]]) for g in range(len(sizes))]
-    room = [len(part) for part in np.array_split(np.arange(len(sizes)), num_shards)]
+    room = [len(chunk) for chunk in chunks]
     members: list[list[int]] = [[] for _ in range(num_shards)]
     load = [0] * num_shards
     for g in sorted(range(len(sizes)), key=lambda g: (-tokens[g], g)):
