@@ -194,6 +194,26 @@ def test_a_run_starts_only_if_it_is_expected_to_end_in_time(tmp_path):
     assert study3.seconds_until("01:00", now) == (4 * 60 + 29) * 60 + 45  # after midnight
 
 
+def test_a_run_is_timed_by_its_own_method_and_lr_and_a_long_one_waits(tmp_path, monkeypatch):
+    def finish(run, wall_s):
+        (tmp_path / run.name).mkdir()
+        provenance = {"overrides": run.settings(), "wall_s": wall_s, "returncode": 0}
+        (tmp_path / run.name / "provenance.json").write_text(json.dumps(provenance))
+
+    slow, quick, other = plan.probe_runs()[2], plan.probe_runs()[0], plan.probe_runs()[1]
+    finish(slow, 20 * 150.0)  # GRPO 1e-4: 150 s a step
+    finish(quick, 20 * 30.0)
+    finish(other, 20 * 60.0)
+    grpo_1e4 = plan.run("grid", "grpo", "1e-4", 1)
+    cagrpo_1e5 = plan.run("grid", "cagrpo", "1e-5", 1)
+    assert study3.expected_s(grpo_1e4, tmp_path) == 60 * 150.0 + study3.TEST_S
+    assert study3.expected_s(cagrpo_1e5, tmp_path) == 60 * 60.0 + study3.TEST_S  # the median
+    for left_s, want in [(3 * 3600, grpo_1e4), (60 * 60 + study3.TEST_S, cagrpo_1e5), (600, None)]:
+        monkeypatch.setattr(study3, "seconds_until", lambda clock, left_s=left_s: left_s)
+        assert study3.next_run([grpo_1e4, cagrpo_1e5], tmp_path, "15:00") == want
+    assert study3.next_run([grpo_1e4, cagrpo_1e5], tmp_path, None) == grpo_1e4
+
+
 def test_the_anatomy_runs_only_the_batches_not_measured_yet(tmp_path):
     assert len(study3.anatomy_missing(tmp_path)) == 4
     (tmp_path / "anatomy-smollm2-T0.7.json").write_text("{}")  # both seeds in one file
