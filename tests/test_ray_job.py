@@ -3,7 +3,7 @@
 The first job trains until `ray job stop` ends it; it must leave a checkpoint. The second job
 resumes from that checkpoint and runs to completion, while Debian's `prometheus` scrapes the
 driver's exporter; the entropy and throughput series are then read back through Prometheus's
-HTTP API. The head started here is stopped at the end.
+HTTP API. The head started here is stopped at the end, and only it.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -46,7 +48,7 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 1.0):
 
 
 @pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
+def ray_head():
     # Token auth is switched on by an existing ~/.ray/auth_token; a loopback head needs none.
     env = dict(
         os.environ,
@@ -56,21 +58,52 @@ def ray_head(tmp_path_factory):
         RAY_process_group_cleanup_enabled="1",  # as the KubeRay manifests start theirs
     )
     env.pop("RAY_ADDRESS", None)
+    # A temp dir of its own (short: Ray's socket paths must fit 107 bytes): the head's address
+    # is written there, not to /tmp/ray, so a local `ray.init()` elsewhere on the machine (a
+    # test on the other xdist worker) starts its own cluster instead of joining this one.
+    temp_dir = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")
     dashboard = free_port()
     cmd = [
         RAY,
         "start",
         "--head",
         f"--port={free_port()}",
+        f"--temp-dir={temp_dir}",
         "--dashboard-host=127.0.0.1",
         f"--dashboard-port={dashboard}",
+        # the job API asks the head's agent, whose default port another cluster here may hold
+        f"--dashboard-agent-listen-port={free_port()}",
         "--num-cpus=3",
         "--disable-usage-stats",
     ]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
-    address = f"http://127.0.0.1:{dashboard}"
-    yield address, env
-    subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+    try:
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=180)
+        yield f"http://127.0.0.1:{dashboard}", env
+    finally:
+        stop_cluster(temp_dir)  # this head alone: `ray stop` would end every cluster here
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Kill the processes of the cluster started with `temp_dir` (those naming it on their
+    command line: GCS, raylet, dashboard, monitors) and every process under them (workers,
+    agents, the jobs' drivers and their engines)."""
+    roots = [
+        p for p in psutil.process_iter(["cmdline"])
+        if p.pid != os.getpid() and any(temp_dir in arg for arg in p.info["cmdline"] or [])
+    ]  # fmt: skip
+    tree = {}
+    for root in roots:
+        try:
+            tree.update({p.pid: p for p in [root, *root.children(recursive=True)]})
+        except psutil.NoSuchProcess:
+            continue
+    for process in tree.values():
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(tree.values()), timeout=60)
 
 
 @pytest.fixture(scope="module")
