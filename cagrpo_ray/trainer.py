@@ -37,7 +37,7 @@ from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.placement import Placement
 from cagrpo_ray.rollout.buffer import RolloutBuffer
-from cagrpo_ray.rollout.engines import engine_options
+from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
 from cagrpo_ray.scheduler import Scheduler
@@ -295,19 +295,8 @@ class Trainer:
 
     def _generator_env(self, replica: int) -> dict:
         env = {"VLLM_LOGGING_LEVEL": "INFO", **actor_env(self.log_dir, f"generator-{replica}")}
-        r = self.config.rollout
-        if r.num_gpus_per_generator == 0:
-            # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a
-            # node picks the same core. The node's cores are shared out among the workers (a
-            # tensor-parallel replica has several, "0|1"): one each when there are at least as
-            # many workers as cores (round robin), else a range each ("0-1" for one replica).
-            cores = os.cpu_count() or 1
-            tp = r.tensor_parallel_size
-            share = max(1, cores // (r.num_generators * tp))
-            first = [((replica * tp + k) * share) % cores for k in range(tp)]
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                str(c) if share == 1 else f"{c}-{c + share - 1}" for c in first
-            )
+        if self.config.rollout.num_gpus_per_generator == 0:
+            env.update(cpu_engine_env(self.config.rollout, replica, os.cpu_count() or 1))
         return env
 
     # --------------------------------------------------------------------- the run

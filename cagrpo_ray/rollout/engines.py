@@ -105,3 +105,20 @@ def engine_options(config, replica: int) -> dict:
         else:
             options["kv_cache_gib"] = r.kv_cache_gib
     return options
+
+
+def cpu_engine_env(rollout, replica: int, cores: int) -> dict[str, str]:
+    """Environment of CPU generator replica `replica` (`rollout`: the config's section) on a
+    node of `cores` cores, which its vLLM engine processes inherit."""
+    # vLLM on the CPU binds its OpenMP threads; left to "auto", every replica on a node picks
+    # the same core. The node's cores are shared out among the workers (a tensor-parallel
+    # replica has several, "0|1"): one each when there are at least as many workers as cores
+    # (round robin), else a range each ("0-1" for one replica).
+    tp = rollout.tensor_parallel_size
+    share = max(1, cores // (rollout.num_generators * tp))
+    first = [((replica * tp + k) * share) % cores for k in range(tp)]
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+            str(c) if share == 1 else f"{c}-{c + share - 1}" for c in first
+        )
+    }
