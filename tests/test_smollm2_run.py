@@ -37,10 +37,6 @@ CONFIG = "configs/cpu-smollm2.yaml"
 STEPS = 3
 MAX_TOKENS = 16  # below many of the model's answers: some responses are cut
 
-# Two vLLM replicas and two learner ranks of SmolLM2 hold ~16 GiB: a second system run beside
-# it would take the machine past Ray's memory monitor threshold, so `make test` runs it alone.
-pytestmark = pytest.mark.solo
-
 
 def overrides(out: Path) -> list[str]:
     return [
