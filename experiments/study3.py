@@ -112,20 +112,19 @@ def expected_s(run: plan.Run, out: Path) -> float:
     here with its method and lr (the median; a run's pace follows its responses' length, which
     its lr sets: GRPO's 1e-4 probe took 146 s a step, its 1e-5 grid run 36), else of every run
     that finished here, plus its test evaluation for a grid or seeds run."""
-    rates, alike = [], []
+    settings, rates, alike = run.settings(), [], []
     for path in out.glob("*/provenance.json"):
         provenance = json.loads(path.read_text())
         overrides = provenance.get("overrides", {})
         steps = int(overrides.get("run.steps", 0))
         if provenance.get("returncode") == 0 and steps:
             rates.append(provenance["wall_s"] / steps)
-            same = overrides.get("algorithm.policy_loss") == plan.LOSS[run.method][
-                "algorithm.policy_loss"
-            ] and overrides.get("algorithm.lr") == run.lr
-            if same:
+            if all(
+                overrides.get(k) == settings[k] for k in ("algorithm.policy_loss", "algorithm.lr")
+            ):
                 alike.append(rates[-1])
     step_s = statistics.median(alike or rates) if rates else STEP_S
-    return int(run.settings()["run.steps"]) * step_s + (TEST_S if run.group != "probe" else 0)
+    return int(settings["run.steps"]) * step_s + (TEST_S if run.group != "probe" else 0)
 
 
 def next_run(todo: list[plan.Run], out: Path, finish_by: str | None) -> plan.Run | None:
@@ -133,9 +132,9 @@ def next_run(todo: list[plan.Run], out: Path, finish_by: str | None) -> plan.Run
     without it). A run that would not fit waits for a longer window: the order changes no
     result, since each rule reads its runs only once all of them have finished."""
     for run in todo:
-        if finish_by is None or expected_s(run, out) <= seconds_until(finish_by):
+        if finish_by is None or (expected := expected_s(run, out)) <= seconds_until(finish_by):
             return run
-        print(f"[study3] {run.name} (~{expected_s(run, out) / 60:.0f} min) would not end "
+        print(f"[study3] {run.name} (~{expected / 60:.0f} min) would not end "
               f"by {finish_by} UTC: left for later", flush=True)  # fmt: skip
     return None
 

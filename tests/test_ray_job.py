@@ -60,7 +60,7 @@ def ray_head():
     env.pop("RAY_ADDRESS", None)
     # A temp dir of its own (short: Ray's socket paths must fit 107 bytes): the head's address
     # is written there, not to /tmp/ray, so a local `ray.init()` elsewhere on the machine (a
-    # test on the other xdist worker) starts its own cluster instead of joining this one.
+    # run or a study beside the tests) starts its own cluster instead of joining this one.
     temp_dir = tempfile.mkdtemp(prefix="rayjob-", dir="/tmp")
     dashboard = free_port()
     cmd = [
