@@ -4,12 +4,14 @@ pre-registered verdict on the test split."""
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import study  # noqa: E402
 import study3  # noqa: E402
 import study3_plan as plan  # noqa: E402
 
@@ -252,6 +254,31 @@ def test_a_run_stopped_by_a_signal_is_not_finished(tmp_path):
     assert study3.finished(run, tmp_path) is None
     (tmp_path / run.name / "summary.json").write_text(json.dumps({**summary, "final_step": 60}))
     assert study3.finished(run, tmp_path) is not None
+
+
+def test_the_shared_runner_resumes_a_stopped_run_and_skips_only_a_finished_one(
+    tmp_path, monkeypatch
+):
+    # The runner (study.execute) used to skip any run with a summary, so a run a signal had
+    # stopped was reported "done already" and never resumed.
+    run = plan.grid_runs("1e-5")[0]
+    recs, summary = grid_run(0.25, [0.3, 0.3, 0.3])
+    write_run(tmp_path, run, recs[:12], {**summary, "stopped_at": 12, "final_step": 12})
+    (tmp_path / run.name / "checkpoints" / "latest").mkdir(parents=True)
+    started = []
+
+    def fake_run(argv, **kwargs):
+        started.append(argv)
+        return subprocess.CompletedProcess(argv, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    monkeypatch.setattr(study, "machine", lambda: {})
+    argv = study3.train_command(run, tmp_path)
+    study.execute(run, tmp_path, "abc", tmp_path, argv=argv)
+    assert started == [argv] and argv[-1] == "--resume"
+    (tmp_path / run.name / "summary.json").write_text(json.dumps({**summary, "final_step": 60}))
+    study.execute(run, tmp_path, "abc", tmp_path, argv=argv)
+    assert len(started) == 1  # finished: not started again
 
 
 def test_reproduction_finds_the_first_step_two_runs_differ():
