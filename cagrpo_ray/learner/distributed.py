@@ -8,13 +8,18 @@ with gloo on the CPU and NCCL on GPUs.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import random
+import time
+from pathlib import Path
 
 import deepspeed
 import numpy as np
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger("cagrpo_ray")
 
 # Large enough that DeepSpeed never prints its own progress lines between our metrics.
 _NEVER = 1 << 62
@@ -52,6 +57,8 @@ def init_data_parallel(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
+    if default_backend() == "gloo":  # DeepSpeed builds its CPU comm extension on first use
+        clear_stale_build_lock(comm_extension_dir())
     deepspeed.init_distributed(
         dist_backend=default_backend(),
         auto_mpi_discovery=False,
@@ -60,6 +67,52 @@ def init_data_parallel(
         rank=rank,
         world_size=world_size,
     )
+
+
+COMM_EXTENSION = "deepspeed_shm_comm"  # DeepSpeed's ShareMemCommBuilder.NAME
+STALE_LOCK_S = 60.0
+
+
+def comm_extension_dir() -> Path:
+    """Where torch builds (and caches) DeepSpeed's CPU comm extension."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(COMM_EXTENSION, verbose=False))
+
+
+def clear_stale_build_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> bool:
+    """Remove a torch extension build lock that no build holds; True if one was removed.
+
+    torch's `FileBaton` lock is a bare file with no owner: a process killed while it builds
+    (a SIGKILLed learner, a test's teardown) leaves it, and every later learner then waits for
+    it forever, silently. A build runs `ninja` (and its compilers) in the build folder, so a
+    lock older than `older_than_s` with no process working there is stale. A younger lock is
+    left alone: another rank may have just taken it and be about to start its build.
+    """
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < older_than_s or _building_in(build_dir):
+        log.info("waiting for the build of %s (lock %s, %.0f s old)", build_dir.name, lock, age)
+        return False
+    lock.unlink(missing_ok=True)
+    log.warning("removed a stale build lock %s (%.0f s old, no build running there)", lock, age)
+    return True
+
+
+def _building_in(build_dir: Path) -> bool:
+    import psutil  # a Ray and vLLM dependency
+
+    target = str(build_dir.resolve())
+    for process in psutil.process_iter():
+        try:
+            if process.cwd() == target:
+                return True
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return False
 
 
 def deepspeed_config(
