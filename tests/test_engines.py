@@ -48,7 +48,12 @@ def vllm_engine(policy_dirs):
     engine.close()
 
 
-@pytest.fixture(params=["hf", pytest.param("vllm", marks=pytest.mark.integration)])
+@pytest.fixture(
+    params=[
+        pytest.param("hf", marks=pytest.mark.unit),  # the reference engine: fast, in-process
+        pytest.param("vllm", marks=pytest.mark.integration),
+    ]
+)
 def engine(request):
     return request.getfixturevalue(f"{request.param}_engine")
 
