@@ -4,7 +4,9 @@ build still holds is not (cagrpo_ray/learner/distributed.py)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -15,6 +17,7 @@ from cagrpo_ray.learner.distributed import (
     STALE_LOCK_S,
     clear_stale_build_lock,
     comm_extension_dir,
+    use_environment_ninja,
 )
 
 pytestmark = pytest.mark.unit
@@ -68,3 +71,23 @@ def test_the_folder_is_the_one_deepspeed_builds_its_cpu_comm_extension_in():
     folder = comm_extension_dir()
     assert folder.name == ShareMemCommBuilder.NAME
     assert "torch_extensions" in str(folder) or "TORCH_EXTENSIONS_DIR" in os.environ
+
+
+@pytest.mark.parametrize("venv_first", [False, True])
+def test_every_learner_builds_with_the_environments_ninja_whatever_its_path(
+    monkeypatch, venv_first
+):
+    # A Ray job puts the environment's bin first on PATH, a plain `python -m` does not; the two
+    # ninjas (Debian's 1.11, the wheel's 1.13) record build commands differently, so each
+    # rebuilt what the other had built.
+    venv_bin = os.path.dirname(sys.executable)
+    if not os.path.isfile(os.path.join(venv_bin, "ninja")):
+        pytest.skip("this environment has no ninja of its own (DeepSpeed installs one)")
+    others = "/usr/local/bin:/usr/bin:/bin"
+    monkeypatch.setenv("PATH", f"{venv_bin}:{others}" if venv_first else others)
+    ninja = use_environment_ninja()
+    assert ninja == os.path.join(venv_bin, "ninja")
+    assert shutil.which("ninja") == ninja
+    path = os.environ["PATH"]
+    assert use_environment_ninja() == ninja and os.environ["PATH"] == path  # once only
+    assert path.endswith(others)

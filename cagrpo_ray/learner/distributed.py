@@ -11,6 +11,8 @@ import datetime
 import logging
 import os
 import random
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -58,6 +60,7 @@ def init_data_parallel(
         MASTER_PORT=str(master_port),
     )
     if default_backend() == "gloo":  # DeepSpeed builds its CPU comm extension on first use
+        use_environment_ninja()
         clear_stale_build_lock(comm_extension_dir())
     deepspeed.init_distributed(
         dist_backend=default_backend(),
@@ -78,6 +81,25 @@ def comm_extension_dir() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory(COMM_EXTENSION, verbose=False))
+
+
+def use_environment_ninja() -> str | None:
+    """Put this interpreter's environment's `ninja` first on PATH; returns its path, or None
+    when the environment has none (then PATH is left as it is).
+
+    torch builds an extension with the first `ninja` on PATH, and ninja records a hash of each
+    build command in the build folder's `.ninja_log`; ninja 1.11 (Debian's) and 1.13 (the pip
+    wheel in the virtual environment) hash differently, so a learner started with the
+    environment's `bin` on PATH (a Ray job, an activated venv) and one started without it
+    each found the other's build out of date and rebuilt the extension (60-110 s on 2 cores).
+    """
+    ninja = Path(sys.executable).parent / "ninja"
+    if not ninja.is_file():
+        return None
+    if shutil.which("ninja") != str(ninja):
+        path = os.environ.get("PATH")
+        os.environ["PATH"] = os.pathsep.join(filter(None, [str(ninja.parent), path]))
+    return str(ninja)
 
 
 def clear_stale_build_lock(build_dir: Path, older_than_s: float = STALE_LOCK_S) -> bool:
