@@ -76,18 +76,21 @@ def command(run: Run, out: Path) -> list[str]:
     return argv
 
 
-def finished_before(run_dir: Path) -> bool:
-    """Whether a run ended on its own: a run a signal stopped writes a summary too (with
-    `stopped_at`), and resumes from its checkpoint rather than being skipped."""
+def ended_summary(run_dir: Path) -> dict | None:
+    """The summary of a run that ended on its own, else None: a run a signal stopped writes a
+    summary too (with `stopped_at`), and resumes from its checkpoint rather than being skipped."""
     summary = run_dir / "summary.json"
-    return summary.exists() and "stopped_at" not in json.loads(summary.read_text())
+    if not summary.exists():
+        return None
+    loaded = json.loads(summary.read_text())
+    return None if "stopped_at" in loaded else loaded
 
 
 def execute(run: Run, out: Path, commit: str, src: Path, argv: list[str] | None = None) -> None:
-    """Run one training (skipped when its summary exists) and record its provenance; `argv`
-    replaces round 1's command (`command`) for the later rounds' configs."""
+    """Run one training (skipped when it ended on its own: `ended_summary`) and record its
+    provenance; `argv` replaces round 1's command (`command`) for the later rounds' configs."""
     run_dir = out / run.name
-    if finished_before(run_dir):
+    if ended_summary(run_dir) is not None:
         print(f"[study] {run.name}: done already, skipped", flush=True)
         return
     argv = argv or command(run, out)

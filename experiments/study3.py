@@ -43,7 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import study3_plan as plan
-from study import LOCK, execute, pinned_source
+from study import LOCK, ended_summary, execute, pinned_source
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
@@ -153,12 +153,9 @@ def finished(run: plan.Run, out: Path) -> tuple[list[dict], dict] | None:
     a summary too (`stopped_at`, its checkpoint written): it is not finished, and resumes.
     A resumed run's summary takes its step-0 evaluation from `eval_before.json` where it
     lacks one (`step0_evaluation`)."""
-    summary = out / run.name / "summary.json"
-    if not summary.exists():
-        return None
-    loaded = json.loads(summary.read_text())
+    loaded = ended_summary(out / run.name)
     steps = int(run.settings()["run.steps"])
-    if "stopped_at" in loaded or loaded.get("final_step", steps) != steps:
+    if loaded is None or loaded.get("final_step", steps) != steps:
         return None
     if "eval_before" not in loaded:
         before = step0_evaluation(out, run.name)

@@ -59,11 +59,12 @@ def init_data_parallel(
         MASTER_ADDR=master_addr,
         MASTER_PORT=str(master_port),
     )
-    if default_backend() == "gloo":  # DeepSpeed builds its CPU comm extension on first use
+    backend = default_backend()
+    if backend == "gloo":  # DeepSpeed builds its CPU comm extension on first use
         use_environment_ninja()
         clear_stale_build_lock(comm_extension_dir())
     deepspeed.init_distributed(
-        dist_backend=default_backend(),
+        dist_backend=backend,
         auto_mpi_discovery=False,
         verbose=False,
         timeout=datetime.timedelta(seconds=timeout_s),
