@@ -47,6 +47,32 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
+def random_policies(tmp_path_factory) -> tuple[str, str]:
+    """Two random-init char-level policies (seeds 0 and 1), built once a session."""
+    from cagrpo_ray.policies import random_policy
+
+    root = tmp_path_factory.mktemp("random_policies")
+    return random_policy(root / "seed0", seed=0), random_policy(root / "seed1", seed=1)
+
+
+@pytest.fixture(scope="session")
+def shared_vllm_engine(random_policies):
+    """One eager vLLM engine on the seed-0 policy (sampling seed 0, 256 tokens, 1 GiB of KV
+    cache), started once for the modules that test an engine in the test process
+    (test_engines, test_env_engines, test_in_flight_updates, test_weight_sync): an engine start
+    is ~15-25 s of the 2 cores. Each user leaves it as it found it: the seed-0 weights at
+    version 0, `in_flight_updates` off. test_weight_sync, which joins it to a sync group for
+    good, is the last of them (modules run in file-name order)."""
+    from cagrpo_ray.rollout.engines import make_engine
+
+    engine = make_engine(
+        "vllm", random_policies[0], seed=0, max_model_len=256, kv_cache_gib=1, enforce_eager=True
+    )
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="session")
 def short_run(tmp_path_factory):
     """One short run of `make train`'s command with the controller, dynamic sampling, the
     inspector and the harder evaluation on (tests/short_run.py), read by several modules."""

@@ -14,7 +14,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cagrpo_ray.policies import random_policy
 from cagrpo_ray.rollout.engines import make_engine
 from cagrpo_ray.rollout.types import SamplingConfig
 
@@ -23,9 +22,8 @@ QUESTIONS = ["<|user|>12+34=<|assistant|>", "hello", "<|user|>7*8<|assistant|><t
 
 
 @pytest.fixture(scope="module")
-def policy_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("policies")
-    return random_policy(root / "seed0", seed=0), random_policy(root / "seed1", seed=1)
+def policy_dirs(random_policies):
+    return random_policies  # tests/conftest.py: seeds 0 and 1
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +38,10 @@ def hf_engine(policy_dirs):
 
 
 @pytest.fixture(scope="module")
-def vllm_engine(policy_dirs):
-    engine = make_engine(
-        "vllm", policy_dirs[0], seed=0, max_model_len=256, kv_cache_gib=1, enforce_eager=True
-    )
-    yield engine
-    engine.close()
+def vllm_engine(shared_vllm_engine):
+    """Eager, seed 0, on `policy_dirs[0]` (tests/conftest.py); the tests leave it so."""
+    assert shared_vllm_engine.policy_version == 0
+    return shared_vllm_engine
 
 
 @pytest.fixture(

@@ -24,10 +24,8 @@ class EchoEnvironment:
 
 
 @pytest.fixture(scope="module")
-def random_policy_dir(tmp_path_factory):
-    from cagrpo_ray.policies import random_policy
-
-    return random_policy(tmp_path_factory.mktemp("policy") / "seed0", seed=0)
+def random_policy_dir(random_policies):
+    return random_policies[0]  # the seed-0 policy of tests/conftest.py
 
 
 @pytest.mark.parametrize(
@@ -38,7 +36,7 @@ def random_policy_dir(tmp_path_factory):
     ],
 )
 def test_episodes_on_a_real_engine_are_the_sampled_tokens_and_the_environments(
-    kind, random_policy_dir
+    kind, random_policy_dir, request
 ):
     """Token in, token out on a real engine: every policy token of every turn carries the
     log-prob a forward pass of the whole episode gives it (so each turn was sampled from
@@ -51,8 +49,11 @@ def test_episodes_on_a_real_engine_are_the_sampled_tokens_and_the_environments(
     from cagrpo_ray.rollout.engines import make_engine
     from cagrpo_ray.rollout.types import SamplingConfig
 
-    options = {"enforce_eager": True, "kv_cache_gib": 1} if kind == "vllm" else {}
-    engine = make_engine(kind, random_policy_dir, seed=0, max_model_len=256, **options)
+    if kind == "vllm":  # eager, seed 0, on the same policy (tests/conftest.py), kept open
+        engine = request.getfixturevalue("shared_vllm_engine")
+        assert engine.model_path == str(random_policy_dir) and engine.policy_version == 0
+    else:
+        engine = make_engine(kind, random_policy_dir, seed=0, max_model_len=256)
     tokenizer = AutoTokenizer.from_pretrained(random_policy_dir)
     model = AutoModelForCausalLM.from_pretrained(random_policy_dir).eval()
     env = EchoEnvironment()
@@ -60,11 +61,8 @@ def test_episodes_on_a_real_engine_are_the_sampled_tokens_and_the_environments(
     questions = ("<|user|>12+34=<|assistant|>", "hello", "<|user|>7*8<|assistant|><think>")
     prompts = [tokenizer(q).input_ids for q in questions]
     sampling = SamplingConfig(n=4, temperature=0.8, max_tokens=80, seed=random.randrange(999))
-    try:
-        single = engine.generate(prompts, SamplingConfig(**{**vars(sampling), "stop": env.stop}))
-        episodes = run_episodes(engine.generate, env, enc, prompts, sampling, max_turns=4)
-    finally:
-        getattr(engine, "close", lambda: None)()
+    single = engine.generate(prompts, SamplingConfig(**{**vars(sampling), "stop": env.stop}))
+    episodes = run_episodes(engine.generate, env, enc, prompts, sampling, max_turns=4)
     multi = 0
     for group, single_group in zip(episodes, single, strict=True):
         for episode, first in zip(group, single_group, strict=True):

@@ -63,13 +63,13 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 
 @pytest.mark.integration
-def test_responses_that_span_a_load_carry_each_policys_logprobs(tmp_path):
-    from cagrpo_ray.policies import random_policy
-    from cagrpo_ray.rollout.engines import make_engine
-
-    a, b = random_policy(tmp_path / "a", seed=0), random_policy(tmp_path / "b", seed=1)
-    engine = make_engine("vllm", a, seed=0, max_model_len=256, kv_cache_gib=1,
-                         enforce_eager=True, in_flight_updates=True)  # fmt: skip
+def test_responses_that_span_a_load_carry_each_policys_logprobs(shared_vllm_engine,
+                                                                random_policies):  # fmt: skip
+    a, b = random_policies  # the shared engine (tests/conftest.py) serves A at version 0
+    engine = shared_vllm_engine
+    assert engine.model_path == str(a) and engine.policy_version == 0
+    model_a = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    engine.in_flight_updates = True  # rollout.weight_update: in_flight (engine_options)
     try:
         tokenizer = AutoTokenizer.from_pretrained(a)
         prompts = [tokenizer(q).input_ids for q in ("<|user|>12+34=<|assistant|>", "hello")]
@@ -90,9 +90,9 @@ def test_responses_that_span_a_load_carry_each_policys_logprobs(tmp_path):
         engine.load_weights(model_b.state_dict().items(), version=1)
         worker.join(timeout=300)
         groups = result["groups"]
-    finally:
-        engine.close()
-    model_a = AutoModelForCausalLM.from_pretrained(a, dtype=torch.float32)
+    finally:  # as the next user expects it: A at version 0, loads after draining
+        engine.in_flight_updates = False
+        engine.load_weights(model_a.state_dict().items(), version=0)
     spanned = 0
     for group in groups:
         for c in group:

@@ -400,11 +400,8 @@ def expected_vllm_digest(hf_state: dict[str, torch.Tensor], vllm_name: str) -> s
 
 
 @pytest.fixture(scope="module")
-def policy_dirs(tmp_path_factory):
-    from cagrpo_ray.policies import random_policy  # transformers: kept out of spawned children
-
-    root = tmp_path_factory.mktemp("policies")
-    return random_policy(root / "seed0", seed=0), random_policy(root / "seed1", seed=1)
+def policy_dirs(random_policies):
+    return random_policies  # tests/conftest.py: seeds 0 and 1
 
 
 @pytest.fixture(scope="module")
@@ -420,15 +417,14 @@ def learner_process():
 
 
 @pytest.fixture(scope="module")
-def generators(learner_process, policy_dirs):
+def generators(learner_process, policy_dirs, shared_vllm_engine):
+    """The session's eager vLLM engine on the seed-0 policy (tests/conftest.py), which this
+    module, the last of its users, joins to a sync group for good, and an HF engine."""
     from cagrpo_ray.rollout.engines import make_engine
 
-    vllm_engine = make_engine(
-        "vllm", policy_dirs[0], seed=0, max_model_len=256, kv_cache_gib=1, enforce_eager=True
-    )
+    assert shared_vllm_engine.model_path == str(policy_dirs[0])
     hf_engine = make_engine("hf", policy_dirs[0], seed=0, max_model_len=256)
-    yield vllm_engine, hf_engine
-    vllm_engine.close()
+    return shared_vllm_engine, hf_engine
 
 
 @pytest.fixture(scope="module")
