@@ -55,21 +55,44 @@ def random_policies(tmp_path_factory) -> tuple[str, str]:
     return random_policy(root / "seed0", seed=0), random_policy(root / "seed1", seed=1)
 
 
-@pytest.fixture(scope="session")
-def shared_vllm_engine(random_policies):
+class SharedEngine:
     """One eager vLLM engine on the seed-0 policy (sampling seed 0, 256 tokens, 1 GiB of KV
-    cache), started once for the modules that test an engine in the test process
-    (test_engines, test_env_engines, test_in_flight_updates, test_weight_sync): an engine start
-    is ~15-25 s of the 2 cores. Each user leaves it as it found it: the seed-0 weights at
-    version 0, `in_flight_updates` off. test_weight_sync, which joins it to a sync group for
-    good, is the last of them (modules run in file-name order)."""
-    from cagrpo_ray.rollout.engines import make_engine
+    cache) for the modules that test an engine in the test process (test_engines,
+    test_env_engines, test_in_flight_updates, test_weight_sync): an engine start is ~15-25 s of
+    the 2 cores. Each user leaves it as it found it (the seed-0 weights at version 0,
+    `in_flight_updates` off) or retires it (test_weight_sync joins it to a sync group for good),
+    after which the next user gets a new one: any order of modules works."""
 
-    engine = make_engine(
-        "vllm", random_policies[0], seed=0, max_model_len=256, kv_cache_gib=1, enforce_eager=True
-    )
-    yield engine
-    engine.close()
+    def __init__(self, policy_dir):
+        self.policy_dir, self.engine = policy_dir, None
+
+    def get(self):
+        if self.engine is None:
+            from cagrpo_ray.rollout.engines import make_engine
+
+            self.engine = make_engine("vllm", self.policy_dir, seed=0, max_model_len=256,
+                                      kv_cache_gib=1, enforce_eager=True)  # fmt: skip
+        return self.engine
+
+    def retire(self):
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+@pytest.fixture(scope="session")
+def shared_engine(random_policies):
+    shared = SharedEngine(random_policies[0])
+    yield shared
+    shared.retire()
+
+
+@pytest.fixture()
+def shared_vllm_engine(shared_engine):
+    """The session's eager vLLM engine on the seed-0 policy, at version 0 (SharedEngine)."""
+    engine = shared_engine.get()
+    assert engine.policy_version == 0, "a test left the shared engine on another policy"
+    return engine
 
 
 @pytest.fixture(scope="session")

@@ -37,10 +37,9 @@ def hf_engine(policy_dirs):
     return make_engine("hf", policy_dirs[0], seed=0, max_model_len=256)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def vllm_engine(shared_vllm_engine):
-    """Eager, seed 0, on `policy_dirs[0]` (tests/conftest.py); the tests leave it so."""
-    assert shared_vllm_engine.policy_version == 0
+    """Eager, seed 0, on `policy_dirs[0]` at version 0 (tests/conftest.py); tests leave it so."""
     return shared_vllm_engine
 
 

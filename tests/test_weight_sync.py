@@ -417,14 +417,16 @@ def learner_process():
 
 
 @pytest.fixture(scope="module")
-def generators(learner_process, policy_dirs, shared_vllm_engine):
+def generators(learner_process, policy_dirs, shared_engine):
     """The session's eager vLLM engine on the seed-0 policy (tests/conftest.py), which this
-    module, the last of its users, joins to a sync group for good, and an HF engine."""
+    module joins to a sync group for good and so retires at its end, and an HF engine."""
     from cagrpo_ray.rollout.engines import make_engine
 
-    assert shared_vllm_engine.model_path == str(policy_dirs[0])
+    vllm_engine = shared_engine.get()
+    assert vllm_engine.model_path == str(policy_dirs[0]) and vllm_engine.policy_version == 0
     hf_engine = make_engine("hf", policy_dirs[0], seed=0, max_model_len=256)
-    return shared_vllm_engine, hf_engine
+    yield vllm_engine, hf_engine
+    shared_engine.retire()
 
 
 @pytest.fixture(scope="module")
