@@ -5,16 +5,43 @@ group, which it keeps for the session; Ray's core worker), and the interpreter's
 crashed on one of them with SIGSEGV after every test had passed (exit status 139, seen once in
 several runs of tests/test_golden_schedule.py with the learner tests). The session's result is
 known by then: the process leaves with it at once instead of tearing those threads down.
+
+A session with integration tests holds the machine's CPU lock (`/tmp/cagrpo-cpu.lock`, which
+every study run and benchmark takes), and does not start while one of them holds it: its Ray
+clusters beside a run would take the run's memory, and Ray's memory monitor then kills the
+run's workers (seen twice beside a SmolLM2 study run). `CAGRPO_CPU_LOCK` names another lock
+file; the unit tier needs none.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 
 import pytest
 
+CPU_LOCK = "/tmp/cagrpo-cpu.lock"  # experiments/study.py's LOCK
 _status: dict[str, int] = {}
+
+
+def pytest_collection_finish(session):
+    if all(item.get_closest_marker("unit") for item in session.items):
+        return
+    path = os.environ.get("CAGRPO_CPU_LOCK", CPU_LOCK)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        pytest.exit(
+            f"{path} is held: a study run or a benchmark is using this machine, and the "
+            "integration tests' Ray clusters beside it would take its memory (Ray's memory "
+            "monitor kills workers at 95%). Run them when it has ended (`fuser -v "
+            f"{path}` names it), or run the unit tier alone: pytest -m unit",
+            returncode=3,
+        )
+    _status["cpu_lock_fd"] = fd  # held until the process exits
 
 
 def pytest_sessionfinish(session, exitstatus):
