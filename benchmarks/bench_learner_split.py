@@ -38,7 +38,9 @@ sys.path.insert(0, str(ROOT))
 from cagrpo_ray.metrics.provenance import report  # noqa: E402
 
 
-def make_batch(groups, size, prompt, response, longest, vocab, rng):
+def make_batch(groups, size, prompt, response, longest, vocab, rng, shared=False):
+    """A learner batch of random tokens; with `shared`, a group's rows share one prompt (as
+    rollouts do: one prompt, `size` responses)."""
     from cagrpo_ray.algo.advantages import group_advantages
 
     means = rng.uniform(*response, groups)
@@ -46,12 +48,17 @@ def make_batch(groups, size, prompt, response, longest, vocab, rng):
         np.round(np.repeat(means, size) * rng.uniform(0.75, 1.25, groups * size)), 1, longest
     ).astype(int)
     prompts = rng.integers(*prompt, groups * size)
+    first = np.arange(groups).repeat(size) * size  # each row's group's first row
+    if shared:
+        prompts = prompts[first]
     width = int((prompts + lengths).max())
     columns = np.arange(width)
     attention = torch.as_tensor(columns < (prompts + lengths)[:, None]).long()
     response_mask = torch.as_tensor(columns >= prompts[:, None]) & attention.bool()
     rewards = torch.as_tensor(rng.integers(0, 2, groups * size)).float()
     ids = torch.as_tensor(rng.integers(3, vocab, (groups * size, width)))
+    if shared:
+        ids = torch.where(response_mask, ids, ids[first])
     return {
         "input_ids": ids * attention,
         "attention_mask": attention,

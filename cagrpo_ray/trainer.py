@@ -87,6 +87,7 @@ def learner_settings(config: Config, model_path: str):
         token_stats=a.token_stats,
         measure_policy_change=a.measure_policy_change,
         length_buckets=lcfg.length_buckets,
+        share_prompts=lcfg.share_prompts,
         lr_schedule=a.lr_schedule,
         min_lr_ratio=a.min_lr_ratio,
         total_steps=config.run.steps,

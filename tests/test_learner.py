@@ -23,19 +23,30 @@ TINY = dict(hidden_size=64, num_layers=2, num_heads=1, intermediate_size=128)
 
 
 def random_batch(
-    num_groups: int = 8, group_size: int = 4, width: int = 24, vocab: int = 17, seed: int = 0
+    num_groups: int = 8,
+    group_size: int = 4,
+    width: int = 24,
+    vocab: int = 17,
+    seed: int = 0,
+    shared_prompts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A learner batch (docs/architecture.md) of random tokens: prompts of 3 to 7 tokens,
-    responses of 1 to width - 8 tokens, right-padded, 0/1 rewards."""
+    responses of 1 to width - 8 tokens, right-padded, 0/1 rewards; with `shared_prompts`
+    a group's rows share one prompt."""
     g = torch.Generator().manual_seed(seed)
     rows = num_groups * group_size
     prompt = torch.randint(3, 8, (rows,), generator=g)
     response = torch.randint(1, width - 8, (rows,), generator=g)
     columns = torch.arange(width)
+    input_ids = torch.randint(3, vocab, (rows, width), generator=g)
+    if shared_prompts:  # a group's rows share its first row's prompt, as rollouts do
+        first = torch.arange(num_groups).repeat_interleave(group_size) * group_size
+        prompt = prompt[first]
+        input_ids = torch.where(columns < prompt[:, None], input_ids[first], input_ids)
     attention = (columns < (prompt + response)[:, None]).long()
     response_mask = (columns >= prompt[:, None]) & attention.bool()
     batch = {
-        "input_ids": torch.randint(3, vocab, (rows, width), generator=g) * attention,
+        "input_ids": input_ids * attention,
         "attention_mask": attention,
         "response_mask": response_mask,
         "behavior_logprobs": -torch.rand(rows, width, generator=g) * response_mask,
@@ -232,6 +243,51 @@ def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
         assert metrics["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
         for name, value in params.items():
             torch.testing.assert_close(value, whole_params[name], rtol=0, atol=0.02 * lr)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("micro_batch_size", [32, 8])
+def test_shared_prompts_give_the_update_of_one_row_per_response(
+    policy_path, one_rank, micro_batch_size
+):
+    """A group's prompt run once with its responses packed after it (`share_prompts`) gives
+    the step of one padded row per response: the same loss, gradient norm, log-probs and
+    update, in one pass (the fused proximal pass) and in micro-batches of two groups."""
+    from cagrpo_ray.learner.packing import pack_prompts
+
+    batch = random_batch(num_groups=8, group_size=4, seed=5, shared_prompts=True)
+    lr = 1e-3
+    results = []
+    for share in (False, True):
+        learner = Learner(
+            LearnerSettings(
+                str(policy_path), lr=lr, micro_batch_size=micro_batch_size, share_prompts=share
+            ),
+            LossSpec("cagrpo", loss_agg="token-mean"),
+            **one_rank,
+        )
+        if share:  # the cost model does pack this batch's micro-batches
+            rows = learner._micro_batches(
+                batch["attention_mask"].sum(1), groups=batch["group_ids"]
+            )[0]
+            packed = pack_prompts(
+                batch["input_ids"][rows],
+                batch["attention_mask"][rows],
+                batch["response_mask"][rows],
+                batch["group_ids"][rows],
+                learner.engine.module.packing_cost,
+            )
+            assert packed is not None and packed.input_ids.shape[0] < rows.numel()
+        metrics = learner.train_step(batch)
+        results.append((metrics, snapshot(learner)))
+    (rows_metrics, rows_params), (packed_metrics, packed_params) = results
+    for name in ("loss/total", "grad_norm", "entropy/mean", "logprob/mismatch_mean"):
+        assert packed_metrics[name] == pytest.approx(rows_metrics[name], rel=1e-5, abs=1e-7), name
+    # Adam's first step is about lr * sign(g): a gradient element within rounding of 0 may
+    # step either way (at most 2 lr apart); every other element takes the same step.
+    gap = torch.cat([(v - rows_params[n]).abs().flatten() for n, v in packed_params.items()])
+    assert gap.max() <= 2.05 * lr
+    assert (gap > 0.02 * lr).float().mean() <= 1e-3
 
 
 @pytest.mark.integration

@@ -246,6 +246,13 @@ class LearnerConfig(Section):
         "training pass runs in this many length-sorted parts (less padding) and doubles as the "
         "proximal pass.",
     )
+    share_prompts: bool = Field(
+        False,
+        description="Run the prompt a group's responses share once per micro-batch, with the "
+        "responses packed after it (each attends to the prompt and itself), where the decoder's "
+        "estimated cost is lower than one padded row per response; micro-batches then hold "
+        "whole groups. false: one padded row per response.",
+    )
     shard_by: Literal["tokens", "count"] = Field(
         "tokens",
         description="How a step's prompt groups are shared among the ranks, as many groups each "

@@ -159,17 +159,37 @@ class Learner(PPOSteps):
 
     # ----------------------------------------------------------------------------- forward
 
-    def _micro_batches(self, lengths: torch.Tensor, count: int | None = None) -> list[torch.Tensor]:
+    def _micro_batches(
+        self, lengths: torch.Tensor, count: int | None = None, groups: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Row indices of each micro-batch (`count` of them, or as many as
         `micro_batch_size` needs), rows sorted by length so that a micro-batch's padding,
-        which its forward pass trims, is small. The same number on every rank (ZeRO's
-        collectives run inside forward and backward, so every rank runs as many of them)."""
+        which its forward pass trims, is small. With `groups` (the rows' prompt group ids)
+        and `share_prompts`, a group's rows stay together (groups sorted by their longest
+        row), so that a micro-batch runs each prompt once. The same number on every rank
+        (ZeRO's collectives run inside forward and backward, so every rank runs as many)."""
         rows = lengths.numel()
         wanted = count if count is not None else math.ceil(rows / self.micro_batch_size)
         wanted = torch.tensor([wanted], device=self.device)
         wanted = int(all_reduce_(wanted, "max").item())
-        order = torch.argsort(lengths.cpu(), stable=True)
+        lengths = lengths.cpu()
+        if groups is not None and self.settings.share_prompts:
+            groups = groups.cpu()
+            _, group_index = torch.unique_consecutive(groups, return_inverse=True)
+            longest = torch.zeros(int(group_index.max()) + 1, dtype=lengths.dtype)
+            longest = longest.scatter_reduce(0, group_index, lengths, "amax")
+            # groups by their longest row (ascending), then by length within a group
+            key = (longest[group_index] * (rows + 1) + group_index) * (int(lengths.max()) + 1)
+            order = torch.argsort(key + lengths, stable=True)
+        else:
+            order = torch.argsort(lengths, stable=True)
         return list(order.tensor_split(wanted))
+
+    def _groups(self, batch, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The rows' prompt group ids where prompts are shared (`share_prompts`), else None."""
+        if not self.settings.share_prompts:
+            return None
+        return batch["group_ids"] if rows is None else batch["group_ids"][rows]
 
     def _scores(self, model, batch, rows: torch.Tensor, with_entropy: bool):
         """[r, W] log-probs at the token (and entropies, or None) of the micro-batch `rows`,
@@ -183,6 +203,7 @@ class Learner(PPOSteps):
             attention_mask=attention_mask[:, :used],
             with_entropy=with_entropy,
             wanted=batch["response_mask"][rows, :used],  # the head on response tokens only
+            groups=self._groups(batch, rows),
         )
         logprobs = F.pad(logprobs, (0, width - used))
         return logprobs, None if entropy is None else F.pad(entropy, (0, width - used))

@@ -72,14 +72,16 @@ class PPOSteps:
         # (1) Proximal log-probs under the current weights: the ratio's denominator, and what
         # the loss's batch statistics (kernel weights, Clip-Cov/KL-Cov selections) are taken on.
         lengths = batch["attention_mask"].sum(1)
-        micro = self._micro_batches(lengths)
+        micro = self._micro_batches(lengths, groups=self._groups(batch))
         fused = None
         if len(micro) == 1 and self.settings.ppo_epochs * self.settings.mini_batches == 1:
             # One update, and the batch fits one micro-batch: the training forward pass is the
             # proximal one (detached), as TRL does when it trains on-policy, so no second
             # forward is needed. It runs in length-sorted parts (all kept for the backward
             # pass), so that short rows are not padded to the longest.
-            micro = self._micro_batches(lengths, count=self.settings.length_buckets)
+            micro = self._micro_batches(
+                lengths, count=self.settings.length_buckets, groups=self._groups(batch)
+            )
             fused = [self._scores(self.engine, batch, rows, True) for rows in micro]
             old_logprobs = torch.zeros_like(batch["behavior_logprobs"])
             entropy = torch.zeros_like(old_logprobs)
@@ -161,7 +163,11 @@ class PPOSteps:
         batch, mask = inputs.batch, inputs.batch["response_mask"]
         reducer = RankReducer(self.device)
         lengths = batch["attention_mask"][rows].sum(1)
-        micro = fused[0] if fused is not None else self._micro_batches(lengths)
+        micro = (
+            fused[0]
+            if fused is not None
+            else self._micro_batches(lengths, groups=self._groups(batch, rows))
+        )
         for index, within in enumerate(micro):
             padding = within.numel() == 0
             if padding:  # another rank has more micro-batches; ZeRO needs as many passes here
@@ -259,7 +265,9 @@ class PPOSteps:
         if self.settings.token_stats == "minibatch" and not first:
             current = self._score(
                 {k: v[rows] for k, v in batch.items()},
-                self._micro_batches(batch["attention_mask"][rows].sum(1)),
+                self._micro_batches(
+                    batch["attention_mask"][rows].sum(1), groups=self._groups(batch, rows)
+                ),
                 False,
             )[0]
             return prepare_loss_inputs(
@@ -284,7 +292,8 @@ class PPOSteps:
         """KL(pi_before || pi_after) of this step on its own samples: k1 and k3 estimates from
         one more scoring pass (`measure_policy_change`)."""
         mask = batch["response_mask"]
-        new = self._score(batch, self._micro_batches(batch["attention_mask"].sum(1)), False)[0]
+        micro = self._micro_batches(batch["attention_mask"].sum(1), groups=self._groups(batch))
+        new = self._score(batch, micro, False)[0]
         d = (new - old_logprobs)[mask].double()  # log pi_after - log pi_before
         reducer = RankReducer(self.device)
         n = mask.sum()

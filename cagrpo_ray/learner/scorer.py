@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from cagrpo_ray.learner.batch import position_ids
+from cagrpo_ray.learner.packing import PackingCost, pack_prompts
 
 # A chunk's float32 logits, softmax and product with z: three [positions, V] tensors.
 _FLOAT32_COPIES = 3
@@ -55,6 +56,7 @@ class TokenScorer(torch.nn.Module):
         self.policy = policy
         self.temperature = temperature
         self.chunk = chunk_positions(policy.config.vocab_size, budget_mib)
+        self.packing_cost = PackingCost.of(policy)
 
     def forward(
         self,
@@ -62,12 +64,28 @@ class TokenScorer(torch.nn.Module):
         attention_mask: Tensor,
         with_entropy: bool = False,
         wanted: Tensor | None = None,
+        groups: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask: [b, w], right-padded; wanted: [b, w] bool, the tokens
-        whose scores are computed (None: all). Returns ([b, w] float32 log-probs at the token,
-        [b, w] float32 entropies of the distribution each token was drawn from or None); both
-        0 in column 0 and at every token not wanted."""
+        whose scores are computed (None: all); groups: [b] prompt group ids, with which rows
+        that share a prompt run it once (`packing.pack_prompts`, where that costs less).
+        Returns ([b, w] float32 log-probs at the token, [b, w] float32 entropies of the
+        distribution each token was drawn from or None); both 0 in column 0 and at every
+        token not wanted."""
         decoder = self.policy.get_decoder()
+        b, w = input_ids.shape
+        packed = None
+        if groups is not None and wanted is not None and _right_padded(attention_mask):
+            packed = pack_prompts(input_ids, attention_mask, wanted, groups, self.packing_cost)
+        if packed is not None:
+            hidden = decoder(
+                input_ids=packed.input_ids,
+                attention_mask=packed.additive_mask(self.policy.dtype),
+                position_ids=packed.positions,
+                use_cache=False,
+            ).last_hidden_state
+            return self._heads(hidden.reshape(-1, hidden.shape[-1]), input_ids, with_entropy,
+                               wanted, packed.source)  # fmt: skip
         if _right_padded(attention_mask):
             # Under causal attention a real token never sees the padding after it, so no mask
             # is needed (the padding's own outputs are never used) and attention can take its
@@ -82,15 +100,27 @@ class TokenScorer(torch.nn.Module):
             position_ids=positions,
             use_cache=False,
         ).last_hidden_state
-        b, w, h = hidden.shape
-        flat = hidden.reshape(b * w, h)
+        return self._heads(hidden.reshape(b * w, -1), input_ids, with_entropy, wanted)
+
+    def _heads(
+        self,
+        flat: Tensor,
+        input_ids: Tensor,
+        with_entropy: bool,
+        wanted: Tensor | None,
+        source: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The output head and softmax on the decoder's hidden states `flat`: [b * w, h] in
+        the row layout, or (with `source`, the row layout's index into it) a packed one."""
+        b, w = input_ids.shape
         # position t predicts token t + 1; the last position's target is a placeholder
         targets = F.pad(input_ids[:, 1:], (0, 1)).reshape(-1)
         keep = None
         if wanted is not None:  # the positions that predict a wanted token (at least one)
             keep = F.pad(wanted[:, 1:], (0, 1)).reshape(-1).nonzero().squeeze(-1)
             keep = keep if keep.numel() else keep.new_zeros(1)
-            flat, targets = flat[keep], targets[keep]
+            targets = targets[keep]
+            flat = flat[keep] if source is None else flat[source[keep].clamp(min=0)]
         track = torch.is_grad_enabled() and flat.requires_grad
         logprobs, entropies = [], []
         for start in range(0, flat.shape[0], self.chunk):

@@ -37,6 +37,9 @@ class LearnerSettings:
     length_buckets: when a rank's batch fits one micro-batch and the step is one update, its
         training pass runs in this many length-sorted parts (all kept for the backward pass)
         and doubles as the proximal pass.
+    share_prompts: run the prompt a group's responses share once per micro-batch, the
+        responses packed after it, where that costs the decoder less than one padded row per
+        response (`learner/packing.py`); micro-batches then hold whole groups.
     num_threads: torch CPU threads of this rank.
     dist_timeout_s: timeout of the data-parallel collectives.
     """
@@ -63,6 +66,7 @@ class LearnerSettings:
     token_stats: str = "rollout"
     measure_policy_change: bool = False
     length_buckets: int = 4
+    share_prompts: bool = False
     num_threads: int = 1
     dist_timeout_s: float = 1800.0
 

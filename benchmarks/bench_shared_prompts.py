@@ -1,0 +1,125 @@
+"""The learner step with each group's prompt run once (shared) against once per response.
+
+    flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_shared_prompts.py \
+        [--config configs/cpu-tiny.yaml] [--steps 8] [--prompt A:B] [--response A:B] [--out FILE]
+
+A rollout group is one prompt and `rollout.group_size` responses, and the learner batch holds
+one row per response, so the prompt is in every row. `learner.share_prompts` (the default)
+runs it once per micro-batch with the group's responses packed after it, where the decoder's
+estimated cost says that is cheaper (`cagrpo_ray/learner/packing.py`); off, every row is run
+whole. Here: two `LearnerGroup`s of the config, one with it on and one with it off, on a local
+Ray cluster of the machine's cores, trained in turn on the same batches shaped like the
+config's (`bench_learner_split.make_batch` with shared prompts: a group's prompt uniform over
+`--prompt A:B` tokens, its responses around a group mean uniform over `--response A:B`), one
+untimed step each first. Each row: the median seconds of `--steps` steps, the speed against
+"off", and the largest difference of the step's loss from "off"'s (the two groups see the same
+batches from the same weights: only rounding should differ).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_learner_split import make_batch, span  # noqa: E402
+
+from cagrpo_ray.metrics.provenance import report  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/cpu-tiny.yaml")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prompt", type=span, default=(70, 79), help="prompt tokens A:B")
+    parser.add_argument("--response", type=span, default=(10, 30), help="response tokens A:B")
+    parser.add_argument("--set", action="append", default=[], help="a config override")
+    parser.add_argument("--out", type=Path, default=None, help="append the result to this file")
+    args = parser.parse_args()
+
+    import dataclasses
+
+    import ray
+    from transformers import AutoConfig
+
+    from cagrpo_ray.config import load_config
+    from cagrpo_ray.learner import group as group_module
+    from cagrpo_ray.policies.build import resolve_policy
+    from cagrpo_ray.trainer import learner_settings
+
+    config = load_config(args.config, args.set)
+    path = str(resolve_policy(config.model.path))
+    vocab = AutoConfig.from_pretrained(path).vocab_size
+    rng = np.random.default_rng(0)
+    r = config.rollout
+    batches = [
+        make_batch(
+            r.prompts_per_step, r.group_size, args.prompt, args.response, r.max_tokens, vocab, rng,
+            shared=True,
+        )
+        for _ in range(args.steps + 1)
+    ]  # fmt: skip
+    variants = {"off (a row per response)": False, "shared prompts": True}
+    settings = learner_settings(config, path)
+    ray.init(num_cpus=config.learner.num_learners, include_dashboard=False)
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    losses: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        groups = {
+            name: group_module.LearnerGroup(
+                config.learner.num_learners,
+                dataclasses.replace(settings, share_prompts=share),
+                config.algorithm.loss_spec(),
+                num_cpus_per_learner=1,
+            )
+            for name, share in variants.items()
+        }
+        for index, batch in enumerate(batches):
+            for name, learners in groups.items():
+                start = time.perf_counter()
+                metrics = learners.train_step(batch)
+                if index:  # the first step of each is a warm-up
+                    seconds[name].append(time.perf_counter() - start)
+                losses[name].append(metrics["loss/total"])
+        for learners in groups.values():
+            learners.shutdown()
+    finally:
+        ray.shutdown()
+    base_name = next(iter(variants))
+    base = statistics.median(seconds[base_name])
+    rows = [
+        [name, f"{statistics.median(s):.3f}", f"{base / statistics.median(s):.2f}",
+         f"{max(abs(a - b) for a, b in zip(losses[name], losses[base_name], strict=True)):.1e}"]
+        for name, s in seconds.items()
+    ]  # fmt: skip
+    tokens = [int(b["attention_mask"].sum()) for b in batches]
+    report(
+        "The learner step: each group's prompt once (shared) or once per response",
+        ["variant", "median s/step", "speed vs off", "max |loss - off's|"],
+        rows,
+        out=args.out,
+        notes=[
+            f"{args.config} ({config.model.path}, {config.learner.num_learners} ranks, ZeRO "
+            f"{config.learner.zero_stage}, micro-batch {config.learner.micro_batch_size}); "
+            f"{r.prompts_per_step} groups x {r.group_size} a step, a group's prompt "
+            f"{args.prompt} tokens, group mean response {args.response} tokens (~"
+            f"{statistics.mean(tokens):.0f} tokens a step in the row layout); {args.steps} "
+            "timed steps each."
+        ],
+        command="flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_shared_prompts.py "
+        f"--config {args.config} --steps {args.steps}"
+        + "".join(f" --set {s}" for s in args.set)
+        + f" --prompt {args.prompt[0]}:{args.prompt[1]}"
+        + f" --response {args.response[0]}:{args.response[1]}",
+    )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
