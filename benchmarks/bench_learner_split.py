@@ -81,23 +81,24 @@ def span(text: str) -> tuple[int, int]:
     return int(a), int(b)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, prompt: tuple[int, int], response: tuple[int, int]):
+    """The options of a learner benchmark on batches shaped like a config's."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--config", default="configs/cpu-tiny.yaml")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompt", type=span, default=(18, 26), help="prompt tokens A:B")
-    parser.add_argument("--response", type=span, default=(10, 45), help="response tokens A:B")
+    parser.add_argument("--prompt", type=span, default=prompt, help="prompt tokens A:B")
+    parser.add_argument("--response", type=span, default=response, help="response tokens A:B")
     parser.add_argument("--set", action="append", default=[], help="a config override")
     parser.add_argument("--out", type=Path, default=None, help="append the result to this file")
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    import ray
+
+def shaped_batches(args, shared: bool = False):
+    """(config, policy path, `args.steps` + 1 batches shaped like the config's)."""
     from transformers import AutoConfig
 
     from cagrpo_ray.config import load_config
-    from cagrpo_ray.learner import group as group_module
     from cagrpo_ray.policies.build import resolve_policy
-    from cagrpo_ray.trainer import learner_settings
 
     config = load_config(args.config, args.set)
     path = str(resolve_policy(config.model.path))
@@ -106,10 +107,35 @@ def main() -> None:
     r = config.rollout
     batches = [
         make_batch(
-            r.prompts_per_step, r.group_size, args.prompt, args.response, r.max_tokens, vocab, rng
+            r.prompts_per_step, r.group_size, args.prompt, args.response, r.max_tokens, vocab, rng,
+            shared,
         )
         for _ in range(args.steps + 1)
-    ]
+    ]  # fmt: skip
+    return config, path, batches
+
+
+def command(script: str, args) -> str:
+    """The command line that reruns a learner benchmark with `args`."""
+    return (
+        f"flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/{script} "
+        f"--config {args.config} --steps {args.steps}"
+        + "".join(f" --set {s}" for s in args.set)
+        + f" --prompt {args.prompt[0]}:{args.prompt[1]}"
+        + f" --response {args.response[0]}:{args.response[1]}"
+    )
+
+
+def main() -> None:
+    args = arguments(__doc__, prompt=(18, 26), response=(10, 45))
+
+    import ray
+
+    from cagrpo_ray.learner import group as group_module
+    from cagrpo_ray.trainer import learner_settings
+
+    config, path, batches = shaped_batches(args)
+    r = config.rollout
     splits = {"by count": "count", "by tokens": "tokens"}
     ray.init(num_cpus=config.learner.num_learners, include_dashboard=False)
     seconds: dict[str, list[float]] = {name: [] for name in splits}
@@ -153,11 +179,7 @@ def main() -> None:
             f"{r.prompts_per_step} groups x {r.group_size} a step, prompts {args.prompt}, "
             f"group mean response {args.response} tokens; {args.steps} timed steps each."
         ],
-        command="flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_learner_split.py "
-        f"--config {args.config} --steps {args.steps}"
-        + "".join(f" --set {s}" for s in args.set)
-        + f" --prompt {args.prompt[0]}:{args.prompt[1]}"
-        + f" --response {args.response[0]}:{args.response[1]}",
+        command=command("bench_learner_split.py", args),
     )  # fmt: skip
 
 

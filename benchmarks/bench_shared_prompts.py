@@ -18,54 +18,30 @@ batches from the same weights: only rounding should differ).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_learner_split import make_batch, span  # noqa: E402
+from bench_learner_split import arguments, command, shaped_batches  # noqa: E402
 
 from cagrpo_ray.metrics.provenance import report  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default="configs/cpu-tiny.yaml")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompt", type=span, default=(70, 79), help="prompt tokens A:B")
-    parser.add_argument("--response", type=span, default=(10, 30), help="response tokens A:B")
-    parser.add_argument("--set", action="append", default=[], help="a config override")
-    parser.add_argument("--out", type=Path, default=None, help="append the result to this file")
-    args = parser.parse_args()
-
-    import dataclasses
+    args = arguments(__doc__, prompt=(70, 79), response=(10, 30))
 
     import ray
-    from transformers import AutoConfig
 
-    from cagrpo_ray.config import load_config
     from cagrpo_ray.learner import group as group_module
-    from cagrpo_ray.policies.build import resolve_policy
     from cagrpo_ray.trainer import learner_settings
 
-    config = load_config(args.config, args.set)
-    path = str(resolve_policy(config.model.path))
-    vocab = AutoConfig.from_pretrained(path).vocab_size
-    rng = np.random.default_rng(0)
+    config, path, batches = shaped_batches(args, shared=True)
     r = config.rollout
-    batches = [
-        make_batch(
-            r.prompts_per_step, r.group_size, args.prompt, args.response, r.max_tokens, vocab, rng,
-            shared=True,
-        )
-        for _ in range(args.steps + 1)
-    ]  # fmt: skip
     variants = {"off (a row per response)": False, "shared prompts": True}
     settings = learner_settings(config, path)
     ray.init(num_cpus=config.learner.num_learners, include_dashboard=False)
@@ -113,11 +89,7 @@ def main() -> None:
             f"{statistics.mean(tokens):.0f} tokens a step in the row layout); {args.steps} "
             "timed steps each."
         ],
-        command="flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_shared_prompts.py "
-        f"--config {args.config} --steps {args.steps}"
-        + "".join(f" --set {s}" for s in args.set)
-        + f" --prompt {args.prompt[0]}:{args.prompt[1]}"
-        + f" --response {args.response[0]}:{args.response[1]}",
+        command=command("bench_shared_prompts.py", args),
     )  # fmt: skip
 
 
