@@ -77,12 +77,22 @@ def gradients(policy, logp, entropy, weights):
     return {n: p.grad.clone() for n, p in policy.named_parameters()}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_packed_prompts_give_each_rows_values_and_gradients(policy, seed):
+@pytest.fixture(params=[False, True], ids=["plain", "checkpointed"])
+def checkpointing(policy, request):
+    """The decoder's layers run plainly, or recomputed in the backward pass (as the learner
+    runs SmolLM2 and the GPU recipes: the packed mask must reach the recomputed layers)."""
+    if request.param:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    yield request.param
+    policy.gradient_checkpointing_disable()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_packed_prompts_give_each_rows_values_and_gradients(policy, checkpointing, seed):
     """Against each row run alone from its full logits in float64, and against the padded row
     layout. The model's weights are float64, but its RMSNorm and the scorer's head compute in
     float32, which bounds the agreement (ATOL)."""
-    input_ids, attention, wanted, groups = grouped_batch(seed)
+    input_ids, attention, wanted, groups = grouped_batch(seed + 10 * checkpointing)
     packed = pack_prompts(input_ids, attention, wanted, groups)  # no cost model: always packs
     assert packed is not None
     # fewer sequences than rows, each scored row's tokens where `source` says
