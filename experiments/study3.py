@@ -43,6 +43,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import study3_plan as plan
+import study3_plots
 from study import LOCK, ended_summary, execute, pinned_source
 
 from cagrpo_ray.config import load_config
@@ -53,6 +54,7 @@ PYTHON = str(REPO / ".venv/bin/python")
 TEST_SETTINGS = {"T0.7": ("0.7", "4"), "T0": ("0", "1")}  # temperature, samples a prompt
 EVIDENCE = REPO / "docs/results/evidence3"  # the anatomy's results, committed
 ARCHIVE = EVIDENCE / "kept"  # what outlives a machine of the training runs, committed
+FIGURE = "signals.png"  # beside the runs table: the finished runs' training and validation signals
 KEPT = (
     "metrics.jsonl",
     "summary.json",
@@ -412,6 +414,14 @@ def write_table(out: Path, page: Path) -> None:
             f"{start:.3f} -> {curve} |"
         )
     lines += ["", "Choices: `" + json.dumps(made) + "`", ""]
+    trained = [
+        (r, *done)
+        for r in planned(out)
+        if r.group != "probe" and (done := finished(r, out)) is not None
+    ]
+    if trained:
+        study3_plots.draw(trained, page.parent / FIGURE)
+        lines += [f"![training and validation signals of the finished runs]({FIGURE})", ""]
     tests = test_results(out) if all_finished(out, made) else {}
     if tests:
         lines += ["| policy | test pass@1 T=0.7 | test pass@1 greedy |", "|---|---|---|"]
