@@ -4,6 +4,7 @@ pre-registered verdict on the test split."""
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,12 @@ def test_the_table_shows_the_test_split_only_once_every_run_has_finished(tmp_pat
     study3.write_table(tmp_path, tmp_path / "runs.md")
     table = (tmp_path / "runs.md").read_text()
     assert "not finished" in table and "0.375" not in table and "Verdict" not in table
+    # the figure of the finished grid run beside it, the same without the test split
+    assert f"]({study3.FIGURE})" in table
+    drawn = (tmp_path / study3.FIGURE).read_bytes()
+    shutil.rmtree(tmp_path / "test")
+    study3.write_table(tmp_path, tmp_path / "runs.md")
+    assert (tmp_path / study3.FIGURE).read_bytes() == drawn
 
 
 def test_a_run_starts_only_if_it_is_expected_to_end_in_time(tmp_path):
