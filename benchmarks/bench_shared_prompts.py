@@ -44,7 +44,8 @@ def main() -> None:
     r = config.rollout
     variants = {"off (a row per response)": False, "shared prompts": True}
     settings = learner_settings(config, path)
-    ray.init(num_cpus=config.learner.num_learners, include_dashboard=False)
+    # a core per rank of each group (the groups take turns: one group's ranks idle at a time)
+    ray.init(num_cpus=len(variants) * config.learner.num_learners, include_dashboard=False)
     seconds: dict[str, list[float]] = {name: [] for name in variants}
     losses: dict[str, list[float]] = {name: [] for name in variants}
     try:

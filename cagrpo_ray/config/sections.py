@@ -247,7 +247,7 @@ class LearnerConfig(Section):
         "proximal pass.",
     )
     share_prompts: bool = Field(
-        False,
+        True,
         description="Run the prompt a group's responses share once per micro-batch, with the "
         "responses packed after it (each attends to the prompt and itself), where the decoder's "
         "estimated cost is lower than one padded row per response; micro-batches then hold "

@@ -66,7 +66,7 @@ class LearnerSettings:
     token_stats: str = "rollout"
     measure_policy_change: bool = False
     length_buckets: int = 4
-    share_prompts: bool = False
+    share_prompts: bool = True
     num_threads: int = 1
     dist_timeout_s: float = 1800.0
 
