@@ -13,8 +13,11 @@ generator pool began to hold work for a replica still loading weights (each repl
 now batches half of a synchronous step's prompts: other batches, other floating-point sums),
 and again when the learner's output head began to run on response tokens only (its weight
 gradient sums over fewer positions: step 1 still matched bit for bit, step 2 differed in the
-4th digit of a 3e-7 log-prob mismatch mean); those files were recorded on an AVX512 machine
-(the file's `machine` and `recorded_by`).
+4th digit of a 3e-7 log-prob mismatch mean), and again when the learner's defaults became the
+split by tokens and shared prompts (a group's prompt run once per micro-batch: other batch
+shapes, other sums; the old file still matched bit for bit on the recording machine just
+before); those files were recorded on an AVX512 machine (the file's `machine` and
+`recorded_by`).
 
 Bit equality needs the same floating-point kernels and the same starting policy: the golden
 file names the CPU, the torch build and the policy's sha256. On another machine (whose own
