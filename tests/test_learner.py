@@ -405,8 +405,11 @@ def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(
     head). DeepSpeed (0.19.8) registers the head's weight as an external parameter of the
     scorer, which keeps it gathered for the scorer's whole pass: counted here, the head is
     partitioned as often in a step whose logits run in 16-position chunks (dozens of head
-    calls, a different number each step) as with one chunk, and the log-probs stay the
-    recomputed ones."""
+    calls, a different number each step) at most as often as with one chunk, and the
+    log-probs stay the recomputed ones. (At most, not exactly: once DeepSpeed's recorded module
+    trace holds, it also keeps a parameter it sees reused within `max_reuse_distance`, and
+    whether the trace holds depends on the head calls of each micro-batch, so the chunked
+    passes may release the head less often.)"""
     from deepspeed.runtime.zero import partitioned_param_coordinator as coordinator
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
@@ -454,5 +457,6 @@ def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(
     one, many = per_setting[1024.0], per_setting[0.05]
     assert all(calls >= 4 * one_calls for (_, calls), (_, one_calls) in zip(many, one, strict=True))
     assert len({calls for _, calls in many}) > 1  # the chunk count changed between steps
-    assert [r for r, _ in many] == [r for r, _ in one], per_setting
+    # a head gathered per chunk would be released about once per call, dozens a step
+    assert all(r <= one_r for (r, _), (one_r, _) in zip(many, one, strict=True)), per_setting
     assert all(r > 0 for r, _ in one)  # the head is partitioned between passes at all
