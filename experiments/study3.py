@@ -191,19 +191,24 @@ def step0_evaluation(out: Path, name: str) -> dict | None:
 
 
 def choices(out: Path) -> dict:
-    """What the rules chose so far (each only once every run it reads has finished)."""
+    """What the rules chose so far, each only once every run it reads has finished: a
+    method's lr once its own three grid runs have (the rule reads no other method's runs)."""
     made: dict = {}
     probes = {r.lr: finished(r, out) for r in plan.probe_runs()}
     if all(probes.values()):
         center, why = plan.probe_lr({lr: done[0] for lr, done in probes.items()})
         made.update(probe_lr=center, probe_why=why, grid_lrs=plan.grid_lrs(center))
-        grid = plan.grid_runs(center)
-        if all(finished(r, out) for r in grid):
-            made["chosen_lr"], made["chosen_why"] = {}, {}
-            for method in plan.METHODS:
-                runs = {r.lr: finished(r, out) for r in grid if r.method == method}
-                made["chosen_lr"][method], made["chosen_why"][method] = plan.chosen_lr(runs)
+        for method in plan.METHODS:
+            runs = {r.lr: finished(r, out) for r in plan.grid_runs(center) if r.method == method}
+            if all(runs.values()):
+                lr, why = plan.chosen_lr(runs)
+                made.setdefault("chosen_lr", {})[method] = lr
+                made.setdefault("chosen_why", {})[method] = why
     return made
+
+
+def every_lr_chosen(made: dict) -> bool:
+    return set(made.get("chosen_lr", {})) == set(plan.METHODS)
 
 
 def planned(out: Path) -> list[plan.Run]:
@@ -212,7 +217,7 @@ def planned(out: Path) -> list[plan.Run]:
     runs = plan.probe_runs()
     if "probe_lr" in made:
         runs += plan.grid_runs(made["probe_lr"])
-    if "chosen_lr" in made:
+    if "chosen_lr" in made:  # the seeds of each method whose lr is chosen, in plan order
         runs += plan.seed_runs(made["chosen_lr"])
     return runs
 
@@ -360,7 +365,7 @@ def verdict(out: Path, made: dict) -> dict | None:
     """The pre-registered decision rule on the test split, once every run has its result."""
     tests = test_results(out)
     chosen = made.get("chosen_lr")
-    if not chosen:
+    if not every_lr_chosen(made):
         return None
     by_seed = {m: {} for m in plan.METHODS}
     for method in plan.METHODS:
@@ -391,7 +396,7 @@ def verdict(out: Path, made: dict) -> dict | None:
 
 def all_finished(out: Path, made: dict) -> bool:
     """Whether the plan is complete: the seeds are planned and every planned run finished."""
-    return "chosen_lr" in made and all(finished(r, out) for r in planned(out))
+    return every_lr_chosen(made) and all(finished(r, out) for r in planned(out))
 
 
 def write_table(out: Path, page: Path) -> None:

@@ -88,7 +88,8 @@ def grid_runs(center: str) -> list[Run]:
 
 
 def seed_runs(chosen: dict[str, str]) -> list[Run]:
-    return [run("seeds", m, chosen[m], s) for m in METHODS for s in SEEDS]
+    """Seeds 2 and 3 of each method in `chosen` (those whose lr the rule has chosen)."""
+    return [run("seeds", m, chosen[m], s) for m in METHODS if m in chosen for s in SEEDS]
 
 
 def entropy_ratio(records: list[dict], window: int = 10) -> float:

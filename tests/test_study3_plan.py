@@ -147,6 +147,28 @@ def test_the_plan_grows_as_runs_finish_and_the_verdict_follows_the_rule(tmp_path
     assert "probe-grpo-lr3e-5-s1" in table and "contradicts the paper" in table
 
 
+def test_a_methods_lr_and_seeds_come_once_its_own_grid_has_finished(tmp_path):
+    for run, ratio in zip(plan.probe_runs(), (1.0, 1.0, 2.5), strict=True):
+        write_run(tmp_path, run, records(1.0, ratio), {"eval_before": {"pass@1": 0.25}})
+    grid = plan.grid_runs("3e-5")
+    for run in grid:  # CA-GRPO's three runs and two of GRPO's (GRPO's 1e-4 run still going)
+        if not (run.method == "grpo" and run.lr == "1e-4"):
+            write_run(tmp_path, run, *grid_run(0.25, [0.3, 0.3, 0.35 if run.lr == "3e-5" else 0.3]))
+    made = study3.choices(tmp_path)
+    assert made["chosen_lr"] == {"cagrpo": "3e-5"} and set(made["chosen_why"]) == {"cagrpo"}
+    todo = [r for r in study3.planned(tmp_path) if study3.finished(r, tmp_path) is None]
+    assert [(r.group, r.method, r.lr, r.seed) for r in todo] == [
+        ("grid", "grpo", "1e-4", 1), ("seeds", "cagrpo", "3e-5", 2), ("seeds", "cagrpo", "3e-5", 3)
+    ]  # fmt: skip
+    assert study3.verdict(tmp_path, made) is None and not study3.all_finished(tmp_path, made)
+    # GRPO's last grid run ends: its lr is chosen from its own runs, its seeds come first
+    write_run(tmp_path, grid[2], *grid_run(0.25, [0.3, 0.3, 0.3]))
+    made = study3.choices(tmp_path)
+    assert made["chosen_lr"] == {"grpo": "3e-5", "cagrpo": "3e-5"}
+    seeds = [(r.method, r.seed) for r in study3.planned(tmp_path) if r.group == "seeds"]
+    assert seeds == [("grpo", 2), ("grpo", 3), ("cagrpo", 2), ("cagrpo", 3)]
+
+
 def test_finished_runs_and_test_results_outlive_the_run_folder(tmp_path):
     out, archive, fresh = tmp_path / "out", tmp_path / "archive", tmp_path / "fresh"
     run = plan.probe_runs()[0]
