@@ -113,14 +113,21 @@ def expected_s(run: plan.Run, out: Path) -> float:
     """A run's expected wall time: its steps at the seconds a step of the runs that finished
     here with its method and lr (the median; a run's pace follows its responses' length, which
     its lr sets: GRPO's 1e-4 probe took 146 s a step, its 1e-5 grid run 36), else of every run
-    that finished here, plus its test evaluation for a grid or seeds run."""
+    that finished here, plus its test evaluation for a grid or seeds run.
+
+    A run's seconds a step are the larger of its wall time over its steps and its steps' own
+    times (`time/step` of its metrics): a resumed run's provenance holds the wall time of its
+    last attempt only, which alone would make it look quick."""
     settings, rates, alike = run.settings(), [], []
     for path in out.glob("*/provenance.json"):
         provenance = json.loads(path.read_text())
         overrides = provenance.get("overrides", {})
         steps = int(overrides.get("run.steps", 0))
         if provenance.get("returncode") == 0 and steps:
-            rates.append(provenance["wall_s"] / steps)
+            metrics = path.parent / "metrics.jsonl"
+            records = read_metrics(metrics) if metrics.exists() else []
+            stepped = sum(r.get("time/step", 0.0) for r in records)
+            rates.append(max(provenance["wall_s"], stepped) / steps)
             if all(
                 overrides.get(k) == settings[k] for k in ("algorithm.policy_loss", "algorithm.lr")
             ):

@@ -245,6 +245,25 @@ def test_a_run_is_timed_by_its_own_method_and_lr_and_a_long_one_waits(tmp_path, 
     assert study3.next_run([grpo_1e4, cagrpo_1e5], tmp_path, None) == grpo_1e4
 
 
+def test_a_resumed_runs_pace_counts_every_attempts_steps(tmp_path):
+    """Its provenance holds the last attempt's wall time only; its metrics hold every step's."""
+    run = plan.run("grid", "cagrpo", "1e-5", 1)
+    (tmp_path / run.name).mkdir()
+    provenance = {"overrides": run.settings(), "wall_s": 10 * 70.0, "returncode": 0}
+    (tmp_path / run.name / "provenance.json").write_text(json.dumps(provenance))
+    seconds = [60.0 + i for i in range(60)]  # steps 1-50 trained before the resume, 51-60 after
+    lines = [json.dumps({"step": i + 1, "time/step": t}) for i, t in enumerate(seconds)]
+    (tmp_path / run.name / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    seeds = plan.run("seeds", "cagrpo", "1e-5", 2)
+    # 60 steps at the metrics' mean pace, not at 70 s (the last attempt's 10 steps)
+    assert study3.expected_s(seeds, tmp_path) == pytest.approx(sum(seconds) + study3.TEST_S)
+    # an unresumed run's wall time, which also holds its start and evaluations, is larger
+    provenance["wall_s"] = sum(seconds) + 600.0
+    (tmp_path / run.name / "provenance.json").write_text(json.dumps(provenance))
+    want = sum(seconds) + 600.0 + study3.TEST_S
+    assert study3.expected_s(seeds, tmp_path) == pytest.approx(want)
+
+
 def test_the_anatomy_runs_only_the_batches_not_measured_yet(tmp_path):
     assert len(study3.anatomy_missing(tmp_path)) == 4
     (tmp_path / "anatomy-smollm2-T0.7.json").write_text("{}")  # both seeds in one file
