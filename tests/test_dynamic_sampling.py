@@ -60,6 +60,10 @@ def test_a_task_without_signal_stops_at_the_bound(local_ray, tmp_path):
             "reward.weights={format: 1.0}",
             "algorithm.max_gen_batches=2",
             "rollout.enforce_eager=true",
+            # one replica and one rank: the bound is the scheduler's, and the run stops in its
+            # first step's generation (two of each: the short run above)
+            "rollout.num_generators=1",
+            "learner.num_learners=1",
         ),  # fmt: skip
     )
     with pytest.raises(DynamicSamplingError, match=r"algorithm.max_gen_batches is 2"):

@@ -43,7 +43,7 @@ def overrides(out: Path) -> list[str]:
         f"run.output_dir={out}",
         "run.name=smol",
         f"run.steps={STEPS}",
-        "run.checkpoint_every=1",
+        "run.checkpoint_every=0",  # part one's checkpoint is the signal's, part two's the last
         "run.keep_checkpoints=4",
         "rollout.num_generators=1",  # one replica started twice; two replicas: test_train
         "rollout.prompts_per_step=2",
