@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 
+import psutil
 import pytest
 
 from cagrpo_ray.rewards import RewardFunction, SandboxLimits, run_solution
@@ -32,13 +33,21 @@ def fenced(code: str) -> str:
 
 
 def harness_processes() -> list[int]:
+    """The sandbox interpreters still running that this process started (its descendants) or
+    that outlived their parent (orphans, adopted by init); not those of another pytest-xdist
+    worker, which runs its own sandbox tests at the same time."""
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
     pids = []
     for pid in os.listdir("/proc"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"sandbox_harness.py" in cmdline.read():
-                    pids.append(int(pid))
+                if b"sandbox_harness.py" not in cmdline.read():
+                    continue
+            if int(pid) in ours or psutil.Process(int(pid)).ppid() == 1:
+                pids.append(int(pid))
         except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
+            pass
+        except psutil.NoSuchProcess:
             pass
     return pids
 
