@@ -37,19 +37,12 @@ def harness_processes() -> list[int]:
     that outlived their parent (orphans, adopted by init); not those of another pytest-xdist
     worker, which runs its own sandbox tests at the same time."""
     ours = {child.pid for child in psutil.Process().children(recursive=True)}
-    pids = []
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
-                if b"sandbox_harness.py" not in cmdline.read():
-                    continue
-            if int(pid) in ours or psutil.Process(int(pid)).ppid() == 1:
-                pids.append(int(pid))
-        except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
-            pass
-        except psutil.NoSuchProcess:
-            pass
-    return pids
+    return [
+        process.pid
+        for process in psutil.process_iter(["cmdline", "ppid"])
+        if any("sandbox_harness.py" in part for part in process.info["cmdline"] or ())
+        and (process.pid in ours or process.info["ppid"] == 1)
+    ]
 
 
 @pytest.mark.unit
