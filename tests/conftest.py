@@ -44,6 +44,13 @@ def pytest_collection_finish(session):
     _status["cpu_lock_fd"] = fd  # held until the process exits
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # The tests that load a built policy (`preset`) run after the others, in their own order:
+    # `make test` builds those policies in the background at the lowest CPU priority
+    # (tests/warm_policies.py), from the CPU time that the tests before them leave idle.
+    items.sort(key=lambda item: item.get_closest_marker("preset") is not None)
+
+
 def pytest_sessionfinish(session, exitstatus):
     _status["exit"] = int(exitstatus)
 

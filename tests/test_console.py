@@ -191,6 +191,7 @@ def test_a_ray_error_is_matched_with_its_actors_file_by_pid(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 def test_the_console_holds_the_projects_lines_and_ends_with_the_table(short_run):
     run_dir, console = short_run.run_dir, short_run.console
     assert short_run.returncode == 0, console[-4000:]
@@ -207,6 +208,7 @@ def test_the_console_holds_the_projects_lines_and_ends_with_the_table(short_run)
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 def test_the_libraries_output_is_kept_in_one_log_file_per_actor(short_run):
     run_dir = short_run.run_dir
     assert short_run.returncode == 0, short_run.console[-4000:]

@@ -20,7 +20,7 @@ from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.scheduler import Scheduler
 from cagrpo_ray.trainer import STATE_FILE, Trainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 
 @pytest.fixture(scope="module")

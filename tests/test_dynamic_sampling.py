@@ -13,7 +13,7 @@ from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.scheduler import DynamicSamplingError
 from cagrpo_ray.trainer import Trainer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 
 def overrides(tmp_path, name, *extra):

@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE / "golden"))
 from golden_runner import run_one  # noqa: E402
 from record import RUNS, machine, record  # noqa: E402
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 GOLDEN = HERE / "golden" / "schedule_metrics.json"
 # Keys that measure time or depend on it; everything else must be equal. data/cursor counts

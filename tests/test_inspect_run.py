@@ -23,7 +23,7 @@ from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
 from cagrpo_ray.inspect import inspected_steps, read_step, render_page
 from cagrpo_ray.metrics.jsonl import read_metrics
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 
 @pytest.fixture(scope="module")

@@ -255,6 +255,7 @@ def test_clopper_pearson_known_values():
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 @pytest.mark.timeout(900)
 def test_the_warm_started_preset_beats_random_init():
     """The preset every run starts from (built once into the shared cache, by the first test

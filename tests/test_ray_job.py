@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

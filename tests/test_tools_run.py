@@ -34,7 +34,7 @@ from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import PRESETS, ensure_policy
 from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
 CONFIG = "configs/cpu-tools.yaml"
 STEPS, RESUME_AT, PROMPTS, GROUP = 4, 2, 8, 8

@@ -171,6 +171,7 @@ def records_of(tmp_path, name):
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 def test_training_raises_heldout_accuracy_within_the_bound(reference_run):
     staleness, tmp_path, summary, trainer = reference_run
     before = summary["eval_before"]["per_prompt"]
@@ -209,6 +210,7 @@ def test_training_raises_heldout_accuracy_within_the_bound(reference_run):
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
     _, tmp_path, summary, _ = reference_run
     policy = tmp_path / "reference" / "policy"
@@ -240,6 +242,7 @@ def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
 
 
 @pytest.mark.integration
+@pytest.mark.preset
 def test_resume_with_a_killed_generator(reference_run):
     staleness, tmp_path, _, reference_trainer = reference_run
     start, end = RESUME_AT[staleness], RESUMED_END[staleness]

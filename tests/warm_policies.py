@@ -1,0 +1,40 @@
+"""Build the policies that the integration tier loads, before it needs them.
+
+    nice -n 19 python tests/warm_policies.py
+
+`make test` starts this in the background, at the lowest CPU priority, as soon as the venv is
+installed. On a machine whose policy cache is empty, the `chain_sum` preset (~190 s of one
+core) and `tests/test_tools_run.py`'s cut-short `chain_sum_tools` build (~50 s) would otherwise
+be built inside the first tests that load them, while the other core idles; at nice 19 they
+take only the CPU time that the unit tier and the first integration modules leave idle, and
+the modules that load them run last (the `preset` marker, ordered in `conftest.py`). A test
+that needs a build still in progress waits on the cache's lock and reads it when it lands, as
+any two callers of `ensure_policy` do. With a warm cache this exits at once.
+
+The SmolLM2 conversion is not built here: unit tests read it, and one of them waiting on a
+low-priority conversion would hold a unit-tier worker.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def main() -> None:
+    from test_tools_run import tools_policy
+
+    from cagrpo_ray.policies.build import resolve_policy
+
+    for name, build in (("chain_sum", lambda: resolve_policy("chain_sum")),
+                        ("chain_sum_tools (cut short)", tools_policy)):  # fmt: skip
+        start = time.monotonic()
+        path = build()
+        print(f"{name}: {path} ({time.monotonic() - start:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
