@@ -258,8 +258,9 @@ def test_clopper_pearson_known_values():
 @pytest.mark.preset
 @pytest.mark.timeout(900)
 def test_the_warm_started_preset_beats_random_init():
-    """The preset every run starts from (built once into the shared cache, by the first test
-    that needs it) answers measurably more held-out prompts than its random initialisation."""
+    """The preset every run starts from (built once into the shared cache, by `make test`'s
+    background build or the first test that needs it) answers measurably more held-out prompts
+    than its random initialisation."""
     spec = PRESETS["chain_sum"]
     path = ensure_policy(spec, progress=False)
     info = json.loads((path / build.BUILD_INFO).read_text())
