@@ -33,7 +33,8 @@ def main() -> None:
                         ("chain_sum_tools (cut short)", tools_policy)):  # fmt: skip
         start = time.monotonic()
         path = build()
-        print(f"{name}: {path} ({time.monotonic() - start:.0f} s)", flush=True)
+        took = time.monotonic() - start
+        print(f"{time.strftime('%H:%M:%S')} {name}: {path} ({took:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":
