@@ -70,7 +70,7 @@ test:
 	@mkdir -p runs && echo "building the tests' policies in the background: runs/warm-policies.log"
 	@nice -n 19 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
 	$(PY) -m pytest tests -m unit -q -n 2 --durations=10
-	$(PY) -m pytest tests -m "not unit" -q --durations=20
+	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20
 
 test-unit: setup
 	$(PY) -m pytest tests -m unit -q -n 2

@@ -18,11 +18,12 @@ from __future__ import annotations
 import fcntl
 import os
 import sys
+import time
 
 import pytest
 
 CPU_LOCK = "/tmp/cagrpo-cpu.lock"  # experiments/study.py's LOCK
-_status: dict[str, int] = {}
+_status: dict = {}
 
 
 def pytest_collection_finish(session):
@@ -49,6 +50,61 @@ def pytest_collection_modifyitems(session, config, items):
     # `make test` builds those policies in the background at the lowest CPU priority
     # (tests/warm_policies.py), from the CPU time that the tests before them leave idle.
     items.sort(key=lambda item: item.get_closest_marker("preset") is not None)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-report", type=int, default=0, metavar="N",
+        help="after the run, list the N tests (setup, call and teardown together) that left "
+        "the most CPU idle: their wall time and the share of the machine's cores that were "
+        "busy meanwhile (/proc/stat; every process counts). Read without xdist.",
+    )  # fmt: skip
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, or None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("cpu_report"):
+        yield
+        return
+    start, began = _cpu_times(), time.monotonic()
+    _status.setdefault("cpu_start", (start, began))  # the first test's start
+    yield
+    end, wall = _cpu_times(), time.monotonic() - began
+    if start and end and end[1] > start[1]:  # else shorter than a clock tick (10 ms)
+        busy = (end[0] - start[0]) / (end[1] - start[1])
+        _cpu_report.append((item.nodeid, wall, busy))
+
+
+_cpu_report: list[tuple[str, float, float]] = []  # (test, wall s, share of the cores busy)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    count = config.getoption("cpu_report")
+    if not count or not _cpu_report:
+        return
+    cores = os.cpu_count() or 1
+    idle = lambda entry: entry[1] * (1 - entry[2]) * cores  # noqa: E731
+    (start, began), end = _status["cpu_start"], _cpu_times()
+    wall = time.monotonic() - began
+    busy = (end[0] - start[0]) / max(1, end[1] - start[1]) if start and end else 0.0
+    write = terminalreporter.write_line
+    terminalreporter.section(f"CPU left idle, {count} tests with the most ({cores} cores)")
+    write(f"all tests: {wall:.0f} s, cores {100 * busy:.0f}% busy, "
+          f"{wall * (1 - busy) * cores:.0f} core-seconds idle")  # fmt: skip
+    write(f"{'idle core-s':>11} {'wall s':>8} {'busy':>5}  test")
+    for entry in sorted(_cpu_report, key=idle, reverse=True)[:count]:
+        write(f"{idle(entry):>11.0f} {entry[1]:>8.1f} {100 * entry[2]:>4.0f}%  {entry[0]}")
 
 
 def pytest_sessionfinish(session, exitstatus):
