@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
 import time
 
@@ -27,7 +28,11 @@ _status: dict = {}
 
 
 def pytest_collection_finish(session):
-    if all(item.get_closest_marker("unit") for item in session.items):
+    if all(item.get_closest_marker("unit") for item in session.items) and not _status.get(
+        "beside_ids"
+    ):
+        return
+    if os.environ.get(LOCK_HELD_BY_PARENT):  # the `--beside` process of a session holding it
         return
     path = os.environ.get("CAGRPO_CPU_LOCK", CPU_LOCK)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
@@ -43,16 +48,30 @@ def pytest_collection_finish(session):
             returncode=3,
         )
     _status["cpu_lock_fd"] = fd  # held until the process exits
+    if session.config.getoption("beside") and _status.get("beside_ids"):
+        _start_beside(session.config)
 
 
 def pytest_collection_modifyitems(session, config, items):
     # The tests that load a built policy (`preset`) run after the others, in their own order:
-    # `make test` builds those policies in the background at the lowest CPU priority
+    # `make test` builds those policies in the background at a low CPU priority
     # (tests/warm_policies.py), from the CPU time that the tests before them leave idle.
     items.sort(key=lambda item: item.get_closest_marker("preset") is not None)
+    if config.getoption("beside"):
+        beside = [item for item in items if item.get_closest_marker("beside")]
+        if beside:
+            items[:] = [item for item in items if not item.get_closest_marker("beside")]
+            config.hook.pytest_deselected(items=beside)
+            _status["beside_ids"] = [item.nodeid for item in beside]
 
 
 def pytest_addoption(parser):
+    parser.addoption(
+        "--beside", action="store_true",
+        help="run the selected tests marked `beside` in a second pytest process at the lowest "
+        "CPU priority, from the CPU time the others leave idle; its output goes to "
+        f"{BESIDE_LOG} and its failures fail this session",
+    )  # fmt: skip
     parser.addoption(
         "--cpu-report", type=int, default=0, metavar="N",
         help="after the run, list the N tests (setup, call and teardown together) that left "
@@ -90,6 +109,15 @@ _cpu_report: list[tuple[str, float, float]] = []  # (test, wall s, share of the 
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if "beside_status" in _status:
+        status, lines = _status["beside_status"], _status["beside_log"].read_text().splitlines()
+        terminalreporter.section(
+            f"the {len(_status['beside_ids'])} tests run beside (--beside): "
+            + ("passed" if status == 0 else f"FAILED, exit status {status}")
+            + f", output in {BESIDE_LOG}"
+        )
+        for line in lines if status != 0 else lines[-8:]:
+            terminalreporter.write_line(line)
     count = config.getoption("cpu_report")
     if not count or not _cpu_report:
         return
@@ -107,7 +135,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         write(f"{idle(entry):>11.0f} {entry[1]:>8.1f} {100 * entry[2]:>4.0f}%  {entry[0]}")
 
 
+LOCK_HELD_BY_PARENT = "CAGRPO_CPU_LOCK_HELD_BY_PARENT"
+BESIDE_LOG = "runs/tests-beside.log"  # under the repository
+
+
+def _start_beside(config) -> None:
+    """Start the `beside` tests of this session (`--beside`) in a second pytest process at
+    nice 19: they take only the CPU time that this process's tests leave idle (an integration
+    test waits a third of its time on engine and cluster start-ups, sockets and sleeps), and
+    they share this session's CPU lock."""
+    log = config.rootpath / BESIDE_LOG
+    log.parent.mkdir(exist_ok=True)
+    ids = log.with_suffix(".ids")
+    ids.write_text("\n".join(_status["beside_ids"]) + "\n")
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--durations=5", f"@{ids}"]  # fmt: skip
+    env = {**os.environ, LOCK_HELD_BY_PARENT: str(os.getpid())}
+    with log.open("w") as out:
+        _status["beside"] = subprocess.Popen(
+            cmd, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    _status["beside_log"] = log
+
+
 def pytest_sessionfinish(session, exitstatus):
+    beside = _status.get("beside")
+    if beside is not None:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            beside.terminate()
+        status = beside.wait()  # the beside tests' own timeouts bound this
+        _status["beside_status"] = status
+        if status != 0 and exitstatus == 0:
+            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     _status["exit"] = int(exitstatus)
 
 

@@ -65,7 +65,9 @@ from cagrpo_ray.plan.memory import (
 from cagrpo_ray.plan.shapes import model_shape
 from cagrpo_ray.policies.model import random_policy
 
-pytestmark = pytest.mark.integration
+# Cases run in their own processes, measuring only their own memory: `--beside` may run them
+# beside the Ray tests.
+pytestmark = [pytest.mark.integration, pytest.mark.beside]
 
 SIZES = {  # name: (random_policy's size, batch width)
     "2M": (dict(hidden_size=192, num_layers=3, num_heads=3, intermediate_size=768), 64),
