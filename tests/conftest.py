@@ -19,6 +19,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -75,8 +76,8 @@ def pytest_addoption(parser):
     parser.addoption(
         "--cpu-report", type=int, default=0, metavar="N",
         help="after the run, list the N tests (setup, call and teardown together) that left "
-        "the most CPU idle: their wall time and the share of the machine's cores that were "
-        "busy meanwhile (/proc/stat; every process counts). Read without xdist.",
+        "the most CPU idle: their wall time, the share of the machine's cores busy meanwhile "
+        "(/proc/stat: every process counts) and the least memory available. Without xdist.",
     )  # fmt: skip
 
 
@@ -91,21 +92,69 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields[:8]) - idle, sum(fields[:8])
 
 
+def _available_gib() -> float | None:
+    """The machine's MemAvailable (/proc/meminfo), in GiB, or None off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Usage:
+    """What `--cpu-report` lists: per test, its wall time, the share of the cores busy and the
+    least memory available meanwhile (sampled every half second by a daemon thread)."""
+
+    def __init__(self):
+        self.tests: list[tuple[str, float, float, float | None]] = []
+        self.start = _cpu_times(), time.monotonic()
+        self.least: float | None = None  # the current test's least MemAvailable
+        threading.Thread(target=self._sample, daemon=True, name="memory-sampler").start()
+
+    def _sample(self):
+        while True:
+            available = _available_gib()
+            if available is not None and (self.least is None or available < self.least):
+                self.least = available
+            time.sleep(0.5)
+
+    def measure(self, nodeid: str):
+        start, began = _cpu_times(), time.monotonic()
+        self.least = _available_gib()
+        yield
+        end, wall = _cpu_times(), time.monotonic() - began
+        if start and end and end[1] > start[1]:  # else shorter than a clock tick (10 ms)
+            busy = (end[0] - start[0]) / (end[1] - start[1])
+            self.tests.append((nodeid, wall, busy, self.least))
+
+    def report(self, write, count: int) -> None:
+        cores = os.cpu_count() or 1
+        idle = lambda test: test[1] * (1 - test[2]) * cores  # noqa: E731
+        (start, began), end = self.start, _cpu_times()
+        wall = time.monotonic() - began
+        busy = (end[0] - start[0]) / max(1, end[1] - start[1]) if start and end else 0.0
+        least = min((t[3] for t in self.tests if t[3] is not None), default=None)
+        write(f"all tests: {wall:.0f} s, cores {100 * busy:.0f}% busy, "
+              f"{wall * (1 - busy) * cores:.0f} core-seconds idle; least memory available "
+              f"{'?' if least is None else f'{least:.1f} GiB'}")  # fmt: skip
+        write(f"{'idle core-s':>11} {'wall s':>8} {'busy':>5} {'avail GiB':>9}  test")
+        for test in sorted(self.tests, key=idle, reverse=True)[:count]:
+            available = "?" if test[3] is None else f"{test[3]:.1f}"
+            write(f"{idle(test):>11.0f} {test[1]:>8.1f} {100 * test[2]:>4.0f}% "
+                  f"{available:>9}  {test[0]}")  # fmt: skip
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if not item.config.getoption("cpu_report"):
         yield
         return
-    start, began = _cpu_times(), time.monotonic()
-    _status.setdefault("cpu_start", (start, began))  # the first test's start
-    yield
-    end, wall = _cpu_times(), time.monotonic() - began
-    if start and end and end[1] > start[1]:  # else shorter than a clock tick (10 ms)
-        busy = (end[0] - start[0]) / (end[1] - start[1])
-        _cpu_report.append((item.nodeid, wall, busy))
-
-
-_cpu_report: list[tuple[str, float, float]] = []  # (test, wall s, share of the cores busy)
+    if "usage" not in _status:  # from the first test's start
+        _status["usage"] = _Usage()
+    yield from _status["usage"].measure(item.nodeid)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -119,20 +168,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         for line in lines if status != 0 else lines[-8:]:
             terminalreporter.write_line(line)
     count = config.getoption("cpu_report")
-    if not count or not _cpu_report:
-        return
-    cores = os.cpu_count() or 1
-    idle = lambda entry: entry[1] * (1 - entry[2]) * cores  # noqa: E731
-    (start, began), end = _status["cpu_start"], _cpu_times()
-    wall = time.monotonic() - began
-    busy = (end[0] - start[0]) / max(1, end[1] - start[1]) if start and end else 0.0
-    write = terminalreporter.write_line
-    terminalreporter.section(f"CPU left idle, {count} tests with the most ({cores} cores)")
-    write(f"all tests: {wall:.0f} s, cores {100 * busy:.0f}% busy, "
-          f"{wall * (1 - busy) * cores:.0f} core-seconds idle")  # fmt: skip
-    write(f"{'idle core-s':>11} {'wall s':>8} {'busy':>5}  test")
-    for entry in sorted(_cpu_report, key=idle, reverse=True)[:count]:
-        write(f"{idle(entry):>11.0f} {entry[1]:>8.1f} {100 * entry[2]:>4.0f}%  {entry[0]}")
+    if count and "usage" in _status:
+        terminalreporter.section(f"CPU left idle: the {count} tests that left the most")
+        _status["usage"].report(terminalreporter.write_line, count)
 
 
 LOCK_HELD_BY_PARENT = "CAGRPO_CPU_LOCK_HELD_BY_PARENT"

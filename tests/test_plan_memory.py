@@ -65,9 +65,11 @@ from cagrpo_ray.plan.memory import (
 from cagrpo_ray.plan.shapes import model_shape
 from cagrpo_ray.policies.model import random_policy
 
-# Cases run in their own processes, measuring only their own memory: `--beside` may run them
-# beside the Ray tests.
-pytestmark = [pytest.mark.integration, pytest.mark.beside]
+pytestmark = pytest.mark.integration
+# The random policies' cases run in their own processes, each measuring only its own memory,
+# and need at most ~2 GiB: `make test` runs them beside the Ray tests (`--beside`, conftest.py).
+# The real model's case (~5.6 GiB) stays with the Ray tests, never beside a SmolLM2 run.
+beside = pytest.mark.beside
 
 SIZES = {  # name: (random_policy's size, batch width)
     "2M": (dict(hidden_size=192, num_layers=3, num_heads=3, intermediate_size=768), 64),
@@ -226,15 +228,12 @@ def measure_policy():
 @pytest.fixture(scope="module")
 def measure(policies, measure_policy):
     """measure(size name, zero stage, checkpointing, dtype) -> dict, for the random policies.
-    Every case of this module is queued here, the longest first (the real model's when it is
-    installed), so that two run at a time from the start."""
+    Every random policy's case is queued here, the longest first, so that two run at a time
+    from the start."""
 
     def case(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> tuple:
         return policies[name], stage, checkpointing, dtype, SIZES[name][1]
 
-    smollm2 = smollm2_case()
-    if smollm2 is not None:
-        measure_policy.queue(*smollm2)
     for stage in (1, 2, 3):
         measure_policy.queue(*case("10M", stage, True, "bfloat16"))
     for name in reversed(SIZES):
@@ -248,17 +247,8 @@ def measure(policies, measure_policy):
     return run
 
 
-def smollm2_case(smollm2_dir: str | None = None) -> tuple | None:
-    """The real model's case as configs/cpu-smollm2.yaml trains it (None when the model is not
-    installed: its test says so through the `smollm2_dir` fixture)."""
-    if smollm2_dir is None:
-        from cagrpo_ray.policies.build import resolve_policy
-        from cagrpo_ray.policies.gguf import GGUFPolicyError
-
-        try:
-            smollm2_dir = resolve_policy("smollm2-135m-instruct")
-        except GGUFPolicyError:
-            return None
+def smollm2_case(smollm2_dir: str) -> tuple:
+    """The real model's case as configs/cpu-smollm2.yaml trains it."""
     config = load_config("configs/cpu-smollm2.yaml")
     learner = config.learner
     return (smollm2_dir, learner.zero_stage, learner.gradient_checkpointing, config.model.dtype,
@@ -309,6 +299,7 @@ def check_estimate(
     assert kept == pytest.approx(measured["saved"], rel=0.10)
 
 
+@beside
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize("name", list(SIZES))
 def test_the_estimate_is_within_25_percent_of_the_measured_peak(
@@ -317,6 +308,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(
     check_estimate(policies[name], measure(name, 0, checkpointing), 0, checkpointing, "float32")
 
 
+@beside
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bfloat16_states_per_zero_stage(stage, policies, measure):
     """bfloat16 with float32 gradient accumulation: DeepSpeed's BF16_Optimizer at stage 1, a
@@ -326,18 +318,20 @@ def test_bfloat16_states_per_zero_stage(stage, policies, measure):
     )
 
 
+@beside
 @pytest.mark.parametrize("name", list(SIZES))
 def test_checkpointing_lowers_the_measured_peak(name, measure):
     assert measure(name, 0, True)["measured"] < measure(name, 0, False)["measured"]
 
 
+@beside
 def test_the_zero2_reduce_bucket_is_modelled(policies, measure):
     measured = measure("2M", 2, False)
     assert measured["measured"] > 1.8 * 2**30  # the float32 bucket of 5e8 elements dominates
     check_estimate(policies["2M"], measured, 2, False, "float32")
 
 
-def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure, measure_policy):
+def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure_policy):
     """The real model (134.5M parameters, a tied 49,152 x 576 embedding) as
     configs/cpu-smollm2.yaml trains it: ZeRO-2, float32, gradient checkpointing, 256 MiB logits
     chunks; 8 rows of SMOLLM2_WIDTH tokens (the run's micro-batch is 16 rows of up to 384)."""
