@@ -11,6 +11,12 @@ every study run and benchmark takes), and does not start while one of them holds
 clusters beside a run would take the run's memory, and Ray's memory monitor then kills the
 run's workers (seen twice beside a SmolLM2 study run). `CAGRPO_CPU_LOCK` names another lock
 file; the unit tier needs none.
+
+`make test`'s integration tier uses two options defined here. `--beside` runs the tests marked
+`beside` (CPU-bound, no Ray cluster, no clock to answer) in a second pytest process at nice 19,
+under this session's lock: one test at a time with Ray leaves about a third of the two cores
+idle (engine and cluster start-ups, sockets, sleeps), and they take that time. `--cpu-report N`
+lists the N tests that left the most CPU idle, to see what is left to fill.
 """
 
 from __future__ import annotations
@@ -179,9 +185,8 @@ BESIDE_LOG = "runs/tests-beside.log"  # under the repository
 
 def _start_beside(config) -> None:
     """Start the `beside` tests of this session (`--beside`) in a second pytest process at
-    nice 19: they take only the CPU time that this process's tests leave idle (an integration
-    test waits a third of its time on engine and cluster start-ups, sockets and sleeps), and
-    they share this session's CPU lock."""
+    nice 19, which takes only the CPU time that this process's tests leave idle and shares
+    this session's CPU lock (`LOCK_HELD_BY_PARENT`)."""
     log = config.rootpath / BESIDE_LOG
     log.parent.mkdir(exist_ok=True)
     ids = log.with_suffix(".ids")
