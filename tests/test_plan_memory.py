@@ -175,6 +175,7 @@ def _measure_and_send(connection, *args) -> None:
 MEASURE_TIMEOUT_S = 600
 PARALLEL = 2  # cases measured at once
 SMOLLM2_WIDTH = 192
+SMOLLM2_TEST = "test_the_estimate_for_smollm2_is_within_25_percent"
 
 
 @pytest.fixture(scope="module")
@@ -226,20 +227,24 @@ def measure_policy():
 
 
 @pytest.fixture(scope="module")
-def measure(policies, measure_policy):
+def measure(request, policies, measure_policy):
     """measure(size name, zero stage, checkpointing, dtype) -> dict, for the random policies.
-    Every random policy's case is queued here, the longest first, so that two run at a time
-    from the start."""
+    Every case that this session's selected tests of the module read is queued here, the
+    longest first (the real model's), so that two run at a time from the start."""
 
     def case(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> tuple:
         return policies[name], stage, checkpointing, dtype, SIZES[name][1]
 
-    for stage in (1, 2, 3):
-        measure_policy.queue(*case("10M", stage, True, "bfloat16"))
-    for name in reversed(SIZES):
-        for checkpointing in (True, False):
-            measure_policy.queue(*case(name, 0, checkpointing))
-    measure_policy.queue(*case("2M", 2, False))
+    selected = [item for item in request.session.items if item.module is request.module]
+    if any(item.originalname == SMOLLM2_TEST for item in selected):
+        measure_policy.queue(*smollm2_case(request.getfixturevalue("smollm2_dir")))
+    if any(item.originalname != SMOLLM2_TEST for item in selected):  # the random policies'
+        for stage in (1, 2, 3):
+            measure_policy.queue(*case("10M", stage, True, "bfloat16"))
+        for name in reversed(SIZES):
+            for checkpointing in (True, False):
+                measure_policy.queue(*case(name, 0, checkpointing))
+        measure_policy.queue(*case("2M", 2, False))
 
     def run(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> dict:
         return measure_policy(*case(name, stage, checkpointing, dtype))
@@ -331,7 +336,7 @@ def test_the_zero2_reduce_bucket_is_modelled(policies, measure):
     check_estimate(policies["2M"], measured, 2, False, "float32")
 
 
-def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure_policy):
+def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure, measure_policy):
     """The real model (134.5M parameters, a tied 49,152 x 576 embedding) as
     configs/cpu-smollm2.yaml trains it: ZeRO-2, float32, gradient checkpointing, 256 MiB logits
     chunks; 8 rows of SMOLLM2_WIDTH tokens (the run's micro-batch is 16 rows of up to 384)."""
