@@ -62,15 +62,17 @@ services:
 # The venv and the system services install side by side (pip works the CPU and the disk, apt
 # mostly waits on the network). The unit tier runs on both cores (pytest-xdist: its tests are
 # single-process and independent); the integration tier runs one test at a time, since each
-# starts its own Ray cluster, vLLM engines and DeepSpeed ranks across both cores. Meanwhile the
-# policies that the last integration modules load are built in the background at nice 19, from
-# the CPU time the tests leave idle (tests/warm_policies.py; a no-op once they are cached).
+# starts its own Ray cluster, vLLM engines and DeepSpeed ranks across both cores, and leaves a
+# third of the CPU idle while they start and wait. That idle time is filled from below: the
+# policies that the last integration modules load are built in the background at nice 15
+# (tests/warm_policies.py; a no-op once they are cached), and the `beside` tests (CPU-bound, no
+# cluster, no clock) run in a second pytest process at nice 19 (`--beside`, tests/conftest.py).
 test:
 	@$(MAKE) --no-print-directory -j2 setup services
 	@mkdir -p runs && echo "building the tests' policies in the background: runs/warm-policies.log"
-	@nice -n 19 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
+	@nice -n 15 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
 	$(PY) -m pytest tests -m unit -q -n 2 --durations=10
-	$(PY) -m pytest tests -m "not unit" -q --durations=20
+	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20 --beside
 
 test-unit: setup
 	$(PY) -m pytest tests -m unit -q -n 2

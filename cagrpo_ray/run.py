@@ -117,6 +117,8 @@ def final_report(summary: dict) -> str:
     for label, key, fmt in REPORT_ROWS:
         if key is None:
             key = f"{label[:-1]}{k}"
+            if key == "pass@1":
+                continue  # one sample: the first row already says it
             label = key
         if key == "tool_call_fraction" and key not in before and key not in after:
             continue  # a single-turn run

@@ -302,9 +302,10 @@ class Trainer:
 
     # --------------------------------------------------------------------- the run
 
-    def evaluate(self, label: str) -> dict:
+    def evaluate(self, label: str | None = None) -> dict:
         """The held-out prompts at eval.temperature (with per-prompt details), then at each of
-        eval.temperatures (`T<t>/` metrics) and the harder split likewise (`hard/`)."""
+        eval.temperatures (`T<t>/` metrics) and the harder split likewise (`hard/`). `label`
+        ("before", "after") goes in the log line beside the step."""
         from cagrpo_ray.eval import evaluate
         from cagrpo_ray.rewards.verifiers import answer_extractor
 
@@ -326,7 +327,8 @@ class Trainer:
                 result.update(_prefixed(prefix, at(items, cfg.eval.temperature, False)))
             for t in cfg.eval.temperatures:
                 result.update(_prefixed(f"{prefix}T{t:g}/", at(items, t, False)))
-        log.info("eval (%s, step %d): %s", label, self.step, _fmt(result))
+        where = f"{label}, step {self.step}" if label else f"step {self.step}"
+        log.info("eval (%s): %s", where, _fmt(result))
         return result
 
     def run(self) -> dict:
@@ -374,7 +376,7 @@ class Trainer:
     def _log_step(self, metrics: dict) -> None:
         cfg = self.config
         if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
-            metrics.update(_prefixed("eval/", self.evaluate(f"step {self.step}")))
+            metrics.update(_prefixed("eval/", self.evaluate()))
         if self.exporter is not None:
             self.exporter.observe_step(self.step, metrics)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}

@@ -11,22 +11,35 @@ every study run and benchmark takes), and does not start while one of them holds
 clusters beside a run would take the run's memory, and Ray's memory monitor then kills the
 run's workers (seen twice beside a SmolLM2 study run). `CAGRPO_CPU_LOCK` names another lock
 file; the unit tier needs none.
+
+`make test`'s integration tier uses two options defined here. `--beside` runs the tests marked
+`beside` (CPU-bound, no Ray cluster, no clock to answer) in a second pytest process at nice 19,
+under this session's lock: one test at a time with Ray leaves about a third of the two cores
+idle (engine and cluster start-ups, sockets, sleeps), and they take that time. `--cpu-report N`
+lists the N tests that left the most CPU idle, to see what is left to fill.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 CPU_LOCK = "/tmp/cagrpo-cpu.lock"  # experiments/study.py's LOCK
-_status: dict[str, int] = {}
+_status: dict = {}
 
 
 def pytest_collection_finish(session):
-    if all(item.get_closest_marker("unit") for item in session.items):
+    if all(item.get_closest_marker("unit") for item in session.items) and not _status.get(
+        "beside_ids"
+    ):
+        return
+    if os.environ.get(LOCK_HELD_BY_PARENT):  # the `--beside` process of a session holding it
         return
     path = os.environ.get("CAGRPO_CPU_LOCK", CPU_LOCK)
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o666)
@@ -42,16 +55,161 @@ def pytest_collection_finish(session):
             returncode=3,
         )
     _status["cpu_lock_fd"] = fd  # held until the process exits
+    if session.config.getoption("beside") and _status.get("beside_ids"):
+        _start_beside(session.config)
 
 
 def pytest_collection_modifyitems(session, config, items):
     # The tests that load a built policy (`preset`) run after the others, in their own order:
-    # `make test` builds those policies in the background at the lowest CPU priority
+    # `make test` builds those policies in the background at a low CPU priority
     # (tests/warm_policies.py), from the CPU time that the tests before them leave idle.
     items.sort(key=lambda item: item.get_closest_marker("preset") is not None)
+    if config.getoption("beside"):
+        beside = [item for item in items if item.get_closest_marker("beside")]
+        if beside:
+            items[:] = [item for item in items if not item.get_closest_marker("beside")]
+            config.hook.pytest_deselected(items=beside)
+            _status["beside_ids"] = [item.nodeid for item in beside]
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--beside", action="store_true",
+        help="run the selected tests marked `beside` in a second pytest process at the lowest "
+        "CPU priority, from the CPU time the others leave idle; its output goes to "
+        f"{BESIDE_LOG} and its failures fail this session",
+    )  # fmt: skip
+    parser.addoption(
+        "--cpu-report", type=int, default=0, metavar="N",
+        help="after the run, list the N tests (setup, call and teardown together) that left "
+        "the most CPU idle: their wall time, the share of the machine's cores busy meanwhile "
+        "(/proc/stat: every process counts) and the least memory available. Without xdist.",
+    )  # fmt: skip
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all cores since boot, or None off Linux."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(v) for v in stat.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields[:8]) - idle, sum(fields[:8])
+
+
+def _available_gib() -> float | None:
+    """The machine's MemAvailable (/proc/meminfo), in GiB, or None off Linux."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Usage:
+    """What `--cpu-report` lists: per test, its wall time, the share of the cores busy and the
+    least memory available meanwhile (sampled every half second by a daemon thread)."""
+
+    def __init__(self):
+        self.tests: list[tuple[str, float, float, float | None]] = []
+        self.start = _cpu_times(), time.monotonic()
+        self.least: float | None = None  # the current test's least MemAvailable
+        threading.Thread(target=self._sample, daemon=True, name="memory-sampler").start()
+
+    def _sample(self):
+        while True:
+            available = _available_gib()
+            if available is not None and (self.least is None or available < self.least):
+                self.least = available
+            time.sleep(0.5)
+
+    def measure(self, nodeid: str):
+        start, began = _cpu_times(), time.monotonic()
+        self.least = _available_gib()
+        yield
+        end, wall = _cpu_times(), time.monotonic() - began
+        if start and end and end[1] > start[1]:  # else shorter than a clock tick (10 ms)
+            busy = (end[0] - start[0]) / (end[1] - start[1])
+            self.tests.append((nodeid, wall, busy, self.least))
+
+    def report(self, write, count: int) -> None:
+        cores = os.cpu_count() or 1
+        idle = lambda test: test[1] * (1 - test[2]) * cores  # noqa: E731
+        (start, began), end = self.start, _cpu_times()
+        wall = time.monotonic() - began
+        busy = (end[0] - start[0]) / max(1, end[1] - start[1]) if start and end else 0.0
+        least = min((t[3] for t in self.tests if t[3] is not None), default=None)
+        write(f"all tests: {wall:.0f} s, cores {100 * busy:.0f}% busy, "
+              f"{wall * (1 - busy) * cores:.0f} core-seconds idle; least memory available "
+              f"{'?' if least is None else f'{least:.1f} GiB'}")  # fmt: skip
+        write(f"{'idle core-s':>11} {'wall s':>8} {'busy':>5} {'avail GiB':>9}  test")
+        for test in sorted(self.tests, key=idle, reverse=True)[:count]:
+            available = "?" if test[3] is None else f"{test[3]:.1f}"
+            write(f"{idle(test):>11.0f} {test[1]:>8.1f} {100 * test[2]:>4.0f}% "
+                  f"{available:>9}  {test[0]}")  # fmt: skip
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not item.config.getoption("cpu_report"):
+        yield
+        return
+    if "usage" not in _status:  # from the first test's start
+        _status["usage"] = _Usage()
+    yield from _status["usage"].measure(item.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if "beside_status" in _status:
+        status, lines = _status["beside_status"], _status["beside_log"].read_text().splitlines()
+        terminalreporter.section(
+            f"the {len(_status['beside_ids'])} tests run beside (--beside): "
+            + ("passed" if status == 0 else f"FAILED, exit status {status}")
+            + f", output in {BESIDE_LOG}"
+        )
+        for line in lines if status != 0 else lines[-8:]:
+            terminalreporter.write_line(line)
+    count = config.getoption("cpu_report")
+    if count and "usage" in _status:
+        terminalreporter.section(f"CPU left idle: the {count} tests that left the most")
+        _status["usage"].report(terminalreporter.write_line, count)
+
+
+LOCK_HELD_BY_PARENT = "CAGRPO_CPU_LOCK_HELD_BY_PARENT"
+BESIDE_LOG = "runs/tests-beside.log"  # under the repository
+
+
+def _start_beside(config) -> None:
+    """Start the `beside` tests of this session (`--beside`) in a second pytest process at
+    nice 19, which takes only the CPU time that this process's tests leave idle and shares
+    this session's CPU lock (`LOCK_HELD_BY_PARENT`)."""
+    log = config.rootpath / BESIDE_LOG
+    log.parent.mkdir(exist_ok=True)
+    ids = log.with_suffix(".ids")
+    ids.write_text("\n".join(_status["beside_ids"]) + "\n")
+    cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "--durations=5", f"@{ids}"]  # fmt: skip
+    env = {**os.environ, LOCK_HELD_BY_PARENT: str(os.getpid())}
+    with log.open("w") as out:
+        _status["beside"] = subprocess.Popen(
+            cmd, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    _status["beside_log"] = log
 
 
 def pytest_sessionfinish(session, exitstatus):
+    beside = _status.get("beside")
+    if beside is not None:
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            beside.terminate()
+        status = beside.wait()  # the beside tests' own timeouts bound this
+        _status["beside_status"] = status
+        if status != 0 and exitstatus == 0:
+            session.exitstatus = exitstatus = pytest.ExitCode.TESTS_FAILED
     _status["exit"] = int(exitstatus)
 
 

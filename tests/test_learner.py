@@ -1,7 +1,8 @@
 """The single-rank Learner: its update, its log-probs, micro-batch invariance, checkpoints.
 
 These tests run DeepSpeed in the test process as a world of one rank (gloo); the two-rank
-checks are in test_learner_group.py.
+checks are in test_learner_group.py. With no cluster and no clock to answer, the integration
+ones are `beside` tests: `make test` runs them at nice 19 beside the Ray tests (conftest.py).
 """
 
 from __future__ import annotations
@@ -140,6 +141,7 @@ def snapshot(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tmp_path):
     batch = random_batch()
     temperature = 0.7
@@ -200,6 +202,7 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
     learner = Learner(
         LearnerSettings(
@@ -221,6 +224,7 @@ def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
     batch = random_batch(num_groups=8, group_size=4)
     lr = 1e-3
@@ -291,6 +295,7 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path):
     learner = Learner(
         LearnerSettings(
@@ -337,6 +342,7 @@ def several_updates(policy_path, one_rank, loss="cagrpo", micro=32, **settings):
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_epochs_and_mini_batches_move_the_ratio_and_the_clip_binds(policy_path, one_rank):
     batch = random_batch(num_groups=8, group_size=4, seed=5)
     one = several_updates(policy_path, one_rank).train_step(batch)
@@ -356,6 +362,7 @@ def test_epochs_and_mini_batches_move_the_ratio_and_the_clip_binds(policy_path, 
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_mini_batch_updates_do_not_depend_on_the_micro_batch_size(policy_path, one_rank):
     batch = random_batch(num_groups=8, group_size=4, seed=6)
     results = []
@@ -370,6 +377,7 @@ def test_mini_batch_updates_do_not_depend_on_the_micro_batch_size(policy_path, o
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_kernel_weights_from_the_rollout_or_the_current_policy(policy_path, one_rank):
     batch = random_batch(num_groups=8, group_size=4, seed=7)
     snapshots = {}
@@ -387,6 +395,7 @@ def test_kernel_weights_from_the_rollout_or_the_current_policy(policy_path, one_
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
     batch = random_batch(seed=8)
     learner = several_updates(policy_path, one_rank, measure_policy_change=True)
@@ -398,6 +407,7 @@ def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
 
 
 @pytest.mark.integration
+@pytest.mark.beside
 def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(tmp_path, one_rank):
     """The head runs once per chunk of positions (`TokenScorer`); under ZeRO-3 a module's
     parameters are gathered when it runs and may be released after, so a head gathered per

@@ -66,6 +66,10 @@ from cagrpo_ray.plan.shapes import model_shape
 from cagrpo_ray.policies.model import random_policy
 
 pytestmark = pytest.mark.integration
+# The random policies' cases run in their own processes, each measuring only its own memory,
+# and need at most ~2 GiB: `make test` runs them beside the Ray tests (`--beside`, conftest.py).
+# The real model's case (~5.6 GiB) stays with the Ray tests, never beside a SmolLM2 run.
+beside = pytest.mark.beside
 
 SIZES = {  # name: (random_policy's size, batch width)
     "2M": (dict(hidden_size=192, num_layers=3, num_heads=3, intermediate_size=768), 64),
@@ -171,6 +175,7 @@ def _measure_and_send(connection, *args) -> None:
 MEASURE_TIMEOUT_S = 600
 PARALLEL = 2  # cases measured at once
 SMOLLM2_WIDTH = 192
+SMOLLM2_TEST = "test_the_estimate_for_smollm2_is_within_25_percent"
 
 
 @pytest.fixture(scope="module")
@@ -222,23 +227,24 @@ def measure_policy():
 
 
 @pytest.fixture(scope="module")
-def measure(policies, measure_policy):
+def measure(request, policies, measure_policy):
     """measure(size name, zero stage, checkpointing, dtype) -> dict, for the random policies.
-    Every case of this module is queued here, the longest first (the real model's when it is
-    installed), so that two run at a time from the start."""
+    Every case that this session's selected tests of the module read is queued here, the
+    longest first (the real model's), so that two run at a time from the start."""
 
     def case(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> tuple:
         return policies[name], stage, checkpointing, dtype, SIZES[name][1]
 
-    smollm2 = smollm2_case()
-    if smollm2 is not None:
-        measure_policy.queue(*smollm2)
-    for stage in (1, 2, 3):
-        measure_policy.queue(*case("10M", stage, True, "bfloat16"))
-    for name in reversed(SIZES):
-        for checkpointing in (True, False):
-            measure_policy.queue(*case(name, 0, checkpointing))
-    measure_policy.queue(*case("2M", 2, False))
+    selected = [item for item in request.session.items if item.module is request.module]
+    if any(item.originalname == SMOLLM2_TEST for item in selected):
+        measure_policy.queue(*smollm2_case(request.getfixturevalue("smollm2_dir")))
+    if any(item.originalname != SMOLLM2_TEST for item in selected):  # the random policies'
+        for stage in (1, 2, 3):
+            measure_policy.queue(*case("10M", stage, True, "bfloat16"))
+        for name in reversed(SIZES):
+            for checkpointing in (True, False):
+                measure_policy.queue(*case(name, 0, checkpointing))
+        measure_policy.queue(*case("2M", 2, False))
 
     def run(name: str, stage: int, checkpointing: bool, dtype: str = "float32") -> dict:
         return measure_policy(*case(name, stage, checkpointing, dtype))
@@ -246,17 +252,8 @@ def measure(policies, measure_policy):
     return run
 
 
-def smollm2_case(smollm2_dir: str | None = None) -> tuple | None:
-    """The real model's case as configs/cpu-smollm2.yaml trains it (None when the model is not
-    installed: its test says so through the `smollm2_dir` fixture)."""
-    if smollm2_dir is None:
-        from cagrpo_ray.policies.build import resolve_policy
-        from cagrpo_ray.policies.gguf import GGUFPolicyError
-
-        try:
-            smollm2_dir = resolve_policy("smollm2-135m-instruct")
-        except GGUFPolicyError:
-            return None
+def smollm2_case(smollm2_dir: str) -> tuple:
+    """The real model's case as configs/cpu-smollm2.yaml trains it."""
     config = load_config("configs/cpu-smollm2.yaml")
     learner = config.learner
     return (smollm2_dir, learner.zero_stage, learner.gradient_checkpointing, config.model.dtype,
@@ -307,6 +304,7 @@ def check_estimate(
     assert kept == pytest.approx(measured["saved"], rel=0.10)
 
 
+@beside
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["full", "checkpointed"])
 @pytest.mark.parametrize("name", list(SIZES))
 def test_the_estimate_is_within_25_percent_of_the_measured_peak(
@@ -315,6 +313,7 @@ def test_the_estimate_is_within_25_percent_of_the_measured_peak(
     check_estimate(policies[name], measure(name, 0, checkpointing), 0, checkpointing, "float32")
 
 
+@beside
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bfloat16_states_per_zero_stage(stage, policies, measure):
     """bfloat16 with float32 gradient accumulation: DeepSpeed's BF16_Optimizer at stage 1, a
@@ -324,11 +323,13 @@ def test_bfloat16_states_per_zero_stage(stage, policies, measure):
     )
 
 
+@beside
 @pytest.mark.parametrize("name", list(SIZES))
 def test_checkpointing_lowers_the_measured_peak(name, measure):
     assert measure(name, 0, True)["measured"] < measure(name, 0, False)["measured"]
 
 
+@beside
 def test_the_zero2_reduce_bucket_is_modelled(policies, measure):
     measured = measure("2M", 2, False)
     assert measured["measured"] > 1.8 * 2**30  # the float32 bucket of 5e8 elements dominates

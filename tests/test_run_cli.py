@@ -70,3 +70,9 @@ def test_the_final_report_is_a_short_table_with_the_paths():
     assert any(line.startswith("maj@4") for line in lines)
     assert "2.20" in report and "runs/cpu-tiny/plots/" in report
     assert "python -m cagrpo_ray.eval --model runs/cpu-tiny/policy" in report
+
+    one = {
+        key: {"samples": 1, "pass@1": 0.5, "maj@1": 0.5} for key in ("eval_before", "eval_after")
+    }
+    rows = [line.split()[0] for line in final_report(one).splitlines()[1:4]]
+    assert rows == ["pass@1", "maj@1", "mean"]  # one sample: pass@1 once

@@ -1,13 +1,14 @@
 """Build the policies that the integration tier loads, before it needs them.
 
-    nice -n 19 python tests/warm_policies.py
+    nice -n 15 python tests/warm_policies.py
 
-`make test` starts this in the background, at the lowest CPU priority, as soon as the venv is
-installed. On a machine whose policy cache is empty, the `chain_sum` preset (~190 s of one
-core) and `tests/test_tools_run.py`'s cut-short `chain_sum_tools` build (~50 s) would otherwise
-be built inside the first tests that load them, while the other core idles; at nice 19 they
-take only the CPU time that the unit tier and the first integration modules leave idle, and
-the modules that load them run last (the `preset` marker, ordered in `conftest.py`). A test
+`make test` starts this in the background at a low CPU priority (nice 15: above the `beside`
+tests' 19, below every other test's 0) as soon as the venv is installed. On a machine whose
+policy cache is empty, the `chain_sum` preset (~190 s of one core) and
+`tests/test_tools_run.py`'s cut-short `chain_sum_tools` build (~50 s) would otherwise be built
+inside the first tests that load them, while the other core idles; niced, they take only the
+CPU time that the unit tier and the first integration modules leave idle, and the modules
+that load them run last (the `preset` marker, ordered in `conftest.py`). A test
 that needs a build still in progress waits on the cache's lock and reads it when it lands, as
 any two callers of `ensure_policy` do. With a warm cache this exits at once.
 
