@@ -62,9 +62,17 @@ def pytest_collection_finish(session):
 def pytest_collection_modifyitems(session, config, items):
     # The tests that load a built policy (`preset`) run after the others, in their own order:
     # `make test` builds those policies in the background at a low CPU priority
-    # (tests/warm_policies.py), from the CPU time that the tests before them leave idle.
-    items.sort(key=lambda item: item.get_closest_marker("preset") is not None)
-    if config.getoption("beside"):
+    # (tests/warm_policies.py), from the CPU time that the tests before them leave idle. With
+    # `--beside`, the tests that work on one thread for long (`early`) run first, while the
+    # beside process and those builds have work for the other core.
+    two_processes = config.getoption("beside")
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("preset") is not None,
+            not (two_processes and item.get_closest_marker("early")),
+        )
+    )
+    if two_processes:
         beside = [item for item in items if item.get_closest_marker("beside")]
         if beside:
             items[:] = [item for item in items if not item.get_closest_marker("beside")]

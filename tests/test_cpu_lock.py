@@ -56,6 +56,15 @@ import pytest
 @pytest.mark.integration
 def test_here():
     Path("here.txt").write_text(f"{os.getpid()} {os.nice(0)}")
+    with open("order.txt", "a") as order:
+        print("here", file=order)
+
+
+@pytest.mark.integration
+@pytest.mark.early
+def test_early():
+    with open("order.txt", "a") as order:
+        print("early", file=order)
 
 
 @pytest.mark.integration
@@ -72,10 +81,11 @@ def test_beside_tests_run_in_a_second_niced_process_and_their_failure_fails_the_
     tmp_path, fail
 ):
     """`--beside` (tests/conftest.py): the `beside` tests run in one other process at nice 19,
-    under the session's CPU lock, and a failure there is the session's failure, in full."""
+    under the session's CPU lock, and a failure there is the session's failure, in full; the
+    `early` tests run first in the session's own process."""
     (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
     (tmp_path / "pytest.ini").write_text(
-        "[pytest]\nmarkers =\n    unit\n    integration\n    preset\n    beside\n"
+        "[pytest]\nmarkers =\n    unit\n    integration\n    preset\n    early\n    beside\n"
     )
     (tmp_path / "test_sample.py").write_text(BESIDE_TESTS)
     env = dict(os.environ, CAGRPO_CPU_LOCK=str(tmp_path / "cpu.lock"))
@@ -91,7 +101,8 @@ def test_beside_tests_run_in_a_second_niced_process_and_their_failure_fails_the_
     beside = {c: (tmp_path / f"beside-{c}.txt").read_text().split() for c in "ab"}
     assert beside["a"][0] == beside["b"][0] != here[0], out  # one other process for both
     assert int(beside["a"][1]) == min(19, int(here[1]) + 19), out
-    assert "1 passed, 2 deselected" in out
+    assert "2 passed, 2 deselected" in out
+    assert (tmp_path / "order.txt").read_text().split() == ["early", "here"], out
     log = (tmp_path / "runs" / "tests-beside.log").read_text()
     if fail:
         assert run.returncode == 1, out

@@ -68,7 +68,8 @@ from cagrpo_ray.policies.model import random_policy
 pytestmark = pytest.mark.integration
 # The random policies' cases run in their own processes, each measuring only its own memory,
 # and need at most ~2 GiB: `make test` runs them beside the Ray tests (`--beside`, conftest.py).
-# The real model's case (~5.6 GiB) stays with the Ray tests, never beside a SmolLM2 run.
+# The real model's case (~5.6 GiB) stays with the Ray tests, never beside a SmolLM2 run; it
+# runs first (`early`), while the beside process fills the core it leaves idle.
 beside = pytest.mark.beside
 
 SIZES = {  # name: (random_policy's size, batch width)
@@ -336,6 +337,7 @@ def test_the_zero2_reduce_bucket_is_modelled(policies, measure):
     check_estimate(policies["2M"], measured, 2, False, "float32")
 
 
+@pytest.mark.early  # one thread for ~70 s
 def test_the_estimate_for_smollm2_is_within_25_percent(smollm2_dir, measure, measure_policy):
     """The real model (134.5M parameters, a tied 49,152 x 576 embedding) as
     configs/cpu-smollm2.yaml trains it: ZeRO-2, float32, gradient checkpointing, 256 MiB logits
