@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import statistics
 import sys
 from collections import Counter
 from pathlib import Path
+
+from study4_plan import coarse_form, form, pass_at_k, t_quantile_2dof
 
 REPO = Path(__file__).resolve().parents[1]
 KEPT = REPO / "docs/results/evidence3/kept"
@@ -45,18 +46,12 @@ CHOSEN_LR = "1e-5"  # both methods' lr by the rule (evidence3.md section 5)
 TRAINED_PROMPTS = 240  # 60 steps x 4 prompts, train items 0..239 in order
 VALIDATION_SIZE, TEST_SIZE, TRAIN_SIZE = 64, 256, 20_000
 DATASET_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
+LABELS = {"plain": "plain", "negated": "with -( )", "parenthesised": "parenthesised, no -( )"}
 
 
-def t_quantile_2dof(p: float) -> float:
-    """The p quantile of Student's t with 2 degrees of freedom (closed form)."""
-    return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one prompt with c correct of n samples."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+def coarse(form_: str) -> str:
+    """Three classes: plain `n op n`, parenthesised without a negated group, with one."""
+    return LABELS[coarse_form(form_)]
 
 
 def run_name(method: str, seed: int) -> str:
@@ -71,18 +66,6 @@ def correct_fractions(result: dict) -> dict[str, float]:
     """{uid: fraction of the prompt's samples scored correct}."""
     n = result["metrics"]["samples"]
     return {p["uid"]: p["num_correct"] / n for p in result["per_prompt"]}
-
-
-def form(expression: str) -> str:
-    """A question's form: its expression with numbers as `n` and the operator as `op`."""
-    return re.sub(r"[-+*/](?= n)", "op", re.sub(r"-?\d+", "n", expression))
-
-
-def coarse(form_: str) -> str:
-    """Three classes: plain `n op n`, parenthesised without a negated group, with one."""
-    if "(" not in form_:
-        return "plain"
-    return "with -( )" if "-(" in form_ else "parenthesised, no -( )"
 
 
 def prompts() -> tuple[dict[str, str], list[str], list[str]]:
