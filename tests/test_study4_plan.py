@@ -277,3 +277,20 @@ def test_the_verdict_reads_every_seeds_samples_on_the_second_split(tmp_path):
     assert found["split"] == "test2" and found["setting"] == "T0.7" and len(found["d"]) == 3
     assert found["label"] == "contradicts the paper"
     assert all(0 < se < 0.05 for se in found["paired_se"])
+
+
+def test_round3s_statistics_on_its_page_come_from_its_kept_test_results():
+    """docs/results/evidence3.md section 6, from the kept per-prompt counts alone."""
+    import evidence3_stats as stats
+
+    d, se = [], []
+    for seed in (1, 2, 3):
+        grpo = stats.correct_fractions(stats.load(stats.run_name("grpo", seed), "T0.7"))
+        cagrpo = stats.correct_fractions(stats.load(stats.run_name("cagrpo", seed), "T0.7"))
+        diffs = [cagrpo[u] - grpo[u] for u in grpo]
+        d.append(statistics.fmean(diffs))
+        se.append(plan.paired_se(diffs))
+    assert [round(x, 3) for x in d] == [-0.072, -0.058, -0.024]
+    assert [round(x, 3) for x in se] == [0.019, 0.016, 0.019]
+    assert [round(x, 3) for x in plan.t_interval(d)] == [-0.112, 0.009]
+    assert plan.sign_test_p(d) == 0.125
