@@ -20,6 +20,17 @@ import sys
 from pathlib import Path
 
 
+def stratum(metadata: dict) -> str | None:
+    """The prompt's stratum: the second split's rows name it; round 3's items have their
+    expression, whose form gives it (`study4_plan.coarse_form`)."""
+    from study4_plan import coarse_form, form
+
+    if metadata.get("stratum"):
+        return metadata["stratum"]
+    expression = metadata.get("expression")
+    return coarse_form(form(expression)) if expression else None
+
+
 def sample_records(items, groups, results, max_tokens: int) -> list[dict]:
     """One record per sample, in prompt order then sample order.
 
@@ -41,7 +52,7 @@ def sample_records(items, groups, results, max_tokens: int) -> list[dict]:
             row += 1
             records.append({
                 "uid": item.uid, "sample": index,
-                "stratum": (item.metadata or {}).get("stratum"),
+                "stratum": stratum(item.metadata or {}),
                 "response_tokens": len(completion.token_ids),
                 "finish_reason": completion.finish_reason,
                 "truncated": completion.finish_reason == "length",

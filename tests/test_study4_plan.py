@@ -226,7 +226,10 @@ def test_the_sample_table_against_brute_force_pass_at_k():
 
 
 def test_the_evaluation_keeps_one_record_per_sample_in_order():
-    items = [SimpleNamespace(uid=f"u{i}", metadata={"stratum": "plain"}) for i in range(2)]
+    items = [
+        SimpleNamespace(uid="u0", metadata={"stratum": "plain"}),
+        SimpleNamespace(uid="u1", metadata={"expression": "-( 3 + -2 )"}),  # round 3's items
+    ]
     texts = [["Answer: 3", "it is 4"], ["\\boxed{5}", "Answer: 6 and so"]]
     groups = [
         [SimpleNamespace(text=t, token_ids=[0] * (5 + j), finish_reason="length" if j else "stop")
@@ -255,7 +258,8 @@ def test_the_evaluation_keeps_one_record_per_sample_in_order():
     assert [r["answer"] for r in kept] == ["3", "4", "5", "6"]
     assert [r["truncated"] for r in kept] == [False, True, False, True]
     assert [r["correct"] for r in kept] == [True, False, False, False]
-    assert kept[1]["response_tokens"] == 6 and kept[0]["stratum"] == "plain"
+    assert kept[1]["response_tokens"] == 6
+    assert [r["stratum"] for r in kept] == ["plain", "plain", "negated", "negated"]
 
 
 def test_the_verdict_reads_every_seeds_samples_on_the_second_split(tmp_path):
