@@ -18,7 +18,7 @@ from cagrpo_ray.eval import evaluate, maj_at_k, majority_answer, pass_at_k
 from cagrpo_ray.eval.cli import load_prompt_source
 from cagrpo_ray.eval.metrics import k_values
 from cagrpo_ray.rewards import RewardResult
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 # ---------------------------------------------------------------- pass@k
 

@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 pytestmark = pytest.mark.integration
 

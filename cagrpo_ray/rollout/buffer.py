@@ -74,7 +74,7 @@ def group_record_batch(
     correct: Sequence[bool],
     advantages: Sequence[float],
 ) -> pa.RecordBatch:
-    """One prompt's group of `Completion`s (see rollout/types.py) as a record batch."""
+    """One prompt's group of `Completion`s (see cagrpo_ray/types.py) as a record batch."""
     n = len(completions)
     if not (n == len(rewards) == len(correct) == len(advantages)):
         raise ValueError(

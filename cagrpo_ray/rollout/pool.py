@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from .types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
 
