@@ -113,9 +113,6 @@ class GeneratorPool:
         """The policy version `replica` samples its next request with."""
         return self._next_version[replica]
 
-    def prompts_in_flight(self, replica: int) -> int:
-        return self._prompts[replica]
-
     def available_replicas(self, chunk: int = 1) -> list[int]:
         """Replicas that may take a chunk of `chunk` prompts now (not loading weights, not
         waiting for a resync, under `max_prompts_in_flight`), least loaded first.
