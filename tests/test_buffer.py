@@ -65,7 +65,7 @@ def test_groups_leave_whole_in_arrival_order_and_stale_ones_are_dropped():
     buffer = RolloutBuffer()
     for g, version in enumerate([0, 1, 2, 2, 3]):
         buffer.add(random_group(rng, g, version=version)[0])
-    assert len(buffer) == 5 and buffer.num_samples == 20
+    assert len(buffer) == 5 and buffer.to_table().num_rows == 20
     table = buffer.take(2, min_version=2)
     assert buffer.dropped_stale == 2
     assert table.column("group_id").to_pylist() == [2] * 4 + [3] * 4

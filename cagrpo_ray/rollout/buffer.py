@@ -124,10 +124,6 @@ class RolloutBuffer:
     def __len__(self) -> int:
         return len(self._groups)
 
-    @property
-    def num_samples(self) -> int:
-        return sum(batch.num_rows for batch in self._groups)
-
     def add(self, group: pa.RecordBatch) -> None:
         if group.schema != ROLLOUT_SCHEMA:
             raise ValueError(f"rollout group has schema {group.schema}, expected {ROLLOUT_SCHEMA}")

@@ -134,10 +134,6 @@ class GeneratorPool:
         ]
         return sorted(ready, key=lambda r: (self._prompts[r], r))
 
-    def idle_replicas(self) -> list[int]:
-        """Replicas with nothing in flight that may serve."""
-        return [r for r in self.available_replicas() if self._prompts[r] == 0]
-
     def _settle_loads(self) -> None:
         """Forget the weight loads that have finished (however they ended)."""
         if not self._loading:
