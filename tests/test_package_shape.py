@@ -24,7 +24,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "cagrpo_ray"
 LAYERS: list[tuple[str, set[str]]] = [
     # the paper in code: pure torch, imports nothing of the package
     ("algorithm", {"algo"}),
-    # records and utilities every role shares; they import nothing of the package
+    # records and utilities that every role shares (SamplingConfig, Completion, logging)
     ("foundation", {"types", "console", "progress"}),
     # parts a role is built from, knowing no role: config, prompts, verifiers, environments
     (
