@@ -44,8 +44,8 @@ def one_start(model: str) -> dict:
     from bench_rollout_engine import fixed_prompts
     from transformers import AutoTokenizer
 
-    from cagrpo_ray.rollout.types import SamplingConfig
     from cagrpo_ray.rollout.vllm_engine import VLLMEngine
+    from cagrpo_ray.types import SamplingConfig
 
     prompts = fixed_prompts(AutoTokenizer.from_pretrained(model), 16)
     start = time.perf_counter()

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cagrpo_ray.metrics.provenance import report
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 Generate = Callable[[list[list[int]], SamplingConfig], list[list[Completion]]]
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_rollout_engine import fixed_prompts, measure_rollout  # noqa: E402
 
 from cagrpo_ray.metrics.provenance import report  # noqa: E402
-from cagrpo_ray.rollout.types import SamplingConfig  # noqa: E402
+from cagrpo_ray.types import SamplingConfig  # noqa: E402
 
 
 def main() -> None:

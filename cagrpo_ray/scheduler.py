@@ -53,8 +53,8 @@ from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_lear
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
 from cagrpo_ray.rollout.requeue import PromptChunk, Requeue
 from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
-from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
+from cagrpo_ray.types import SamplingConfig
 
 log = logging.getLogger("cagrpo_ray")
 

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from cagrpo_ray.rewards import RewardFunction
     from cagrpo_ray.rewards.extract import extract_answer_text
     from cagrpo_ray.rollout.engines import make_engine
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     config = load_config([args.config])
     instruction = prompt_preamble(config.data)

@@ -1,13 +1,12 @@
 """RolloutBuffer: whole groups, FIFO, staleness, Parquet, and the padded learner batch."""
 
-from types import SimpleNamespace
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
+from cagrpo_ray.types import Completion
 
 pytestmark = pytest.mark.unit
 
@@ -18,10 +17,11 @@ def random_group(rng, group_id, size=4, version=0):
     for _ in range(size):
         length = int(rng.integers(0, 12))
         completions.append(
-            SimpleNamespace(
+            Completion(
                 prompt_token_ids=prompt,
                 token_ids=rng.integers(3, 50, size=length).tolist(),
                 logprobs=(-rng.random(length) * 5).tolist(),
+                text="",
                 finish_reason="stop" if rng.random() < 0.5 else "length",
                 policy_version=version,
             )
@@ -65,21 +65,12 @@ def test_groups_leave_whole_in_arrival_order_and_stale_ones_are_dropped():
     buffer = RolloutBuffer()
     for g, version in enumerate([0, 1, 2, 2, 3]):
         buffer.add(random_group(rng, g, version=version)[0])
-    assert len(buffer) == 5 and buffer.num_samples == 20
+    assert len(buffer) == 5 and buffer.to_table().num_rows == 20
     table = buffer.take(2, min_version=2)
     assert buffer.dropped_stale == 2
     assert table.column("group_id").to_pylist() == [2] * 4 + [3] * 4
     assert buffer.take(2) is None  # one group left: too few, and nothing is lost
     assert len(buffer) == 1
-
-
-def test_capacity_drops_oldest_and_counts():
-    rng = np.random.default_rng(2)
-    buffer = RolloutBuffer(capacity_groups=2)
-    for g in range(4):
-        buffer.add(random_group(rng, g)[0])
-    assert buffer.dropped_overflow == 2
-    assert buffer.to_table().column("group_id").to_pylist() == [2] * 4 + [3] * 4
 
 
 def test_parquet_dump_and_reload_keep_groups(tmp_path):
@@ -110,7 +101,6 @@ def test_environment_tokens_are_context_in_the_learner_batch_and_counted_apart()
     """A multi-turn row's tool-result tokens sit in `input_ids` and `attention_mask` (the
     policy reads them) but not in `response_mask` (nothing trains on them)."""
     from cagrpo_ray.rollout.scoring import rollout_metrics
-    from cagrpo_ray.rollout.types import Completion
 
     rng = np.random.default_rng()  # fresh inputs every run
     completions, masks = [], []
@@ -147,16 +137,11 @@ def test_environment_tokens_are_context_in_the_learner_batch_and_counted_apart()
     assert "env/turns_mean" not in rollout_metrics(table, group_size=8)
 
 
-def test_a_buffer_saved_before_the_multi_turn_columns_loads_as_single_turn():
+def test_a_table_of_another_schema_is_refused_whole():
     rng = np.random.default_rng(3)
-    batch, _ = random_group(rng, 1)
-    old = pa.Table.from_batches([batch]).drop_columns(
-        ["policy_mask", "turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds"]
-    )
     buffer = RolloutBuffer()
-    buffer.load_table(old)
-    table = buffer.to_table()
-    assert table.column("turns").to_pylist() == [1] * 4
-    assert table.column("policy_mask").null_count == 4
-    assert to_learner_batch(table, 0)["response_mask"].tolist() == to_learner_batch(
-        pa.Table.from_batches([batch]), 0)["response_mask"].tolist()  # fmt: skip
+    buffer.add(random_group(rng, 1)[0])
+    other = buffer.to_table().drop_columns(["turns"])
+    with pytest.raises(ValueError, match="expected"):
+        buffer.load_table(other)
+    assert len(buffer) == 1  # nothing was lost to the refused table

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.rollout.engines import make_engine
-from cagrpo_ray.rollout.types import SamplingConfig
+from cagrpo_ray.types import SamplingConfig
 
 LOGPROB_ATOL = 1e-4
 QUESTIONS = ["<|user|>12+34=<|assistant|>", "hello", "<|user|>7*8<|assistant|><think>", "a b c"]

@@ -11,7 +11,7 @@ import torch
 from cagrpo_ray.algo import policy_loss
 from cagrpo_ray.env import ToolEnvironment, calculate, run_calculator, run_episode, run_python
 from cagrpo_ray.env.tools import MAX_MAGNITUDE, ToolError
-from cagrpo_ray.rollout.types import Completion
+from cagrpo_ray.types import Completion
 
 pytestmark = pytest.mark.unit
 
@@ -219,7 +219,7 @@ def test_run_episodes_samples_first_turns_in_one_request_and_goes_on_alone():
     from dataclasses import replace
 
     from cagrpo_ray.env import run_episodes
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     call = "<tool>calculator: 6*7</tool>"
     script = {(7, 0): ["done 1"], (7, 1): [call, "it is 42"],
@@ -258,7 +258,7 @@ def test_a_single_turn_task_is_the_one_turn_episode_sample_for_sample():
     engine gave them (tokens, log-probs, text, finish reason, version, loads)."""
     from cagrpo_ray.env import run_episodes
     from cagrpo_ray.env.episode import SINGLE_TURN
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     rng = random.Random()
     groups = []

@@ -47,7 +47,7 @@ def test_episodes_on_a_real_engine_are_the_sampled_tokens_and_the_environments(
 
     from cagrpo_ray.env import run_episodes
     from cagrpo_ray.rollout.engines import make_engine
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     if kind == "vllm":  # eager, seed 0, on the same policy (tests/conftest.py), kept open
         engine = request.getfixturevalue("shared_vllm_engine")

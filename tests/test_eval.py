@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ from cagrpo_ray.eval import evaluate, maj_at_k, majority_answer, pass_at_k
 from cagrpo_ray.eval.cli import load_prompt_source
 from cagrpo_ray.eval.metrics import k_values
 from cagrpo_ray.rewards import RewardResult
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 # ---------------------------------------------------------------- pass@k
 
@@ -83,18 +82,13 @@ def test_majority_vote_and_its_tie_break():
 # ---------------------------------------------------------------- evaluate on a scripted engine
 
 
-@dataclass
-class CompletionWithEntropy(Completion):
-    entropies: list[float] | None = None
-
-
 class ScriptedEngine:
     """Answers prompt i with `script[i]`, a list of (text, logprobs) per sample."""
 
     policy_version = 0
 
-    def __init__(self, script, entropies=False):
-        self.script, self.entropies, self.calls = script, entropies, []
+    def __init__(self, script):
+        self.script, self.calls = script, []
 
     def generate(self, prompts, sampling):
         self.calls.append((prompts, sampling))
@@ -103,18 +97,9 @@ class ScriptedEngine:
             assert len(samples) == sampling.n
             group = []
             for text, logprobs in samples:
-                fields = dict(
-                    prompt_token_ids=prompt,
-                    token_ids=list(range(len(logprobs))),
-                    logprobs=logprobs,
-                    text=text,
-                    finish_reason="length" if text.endswith("...") else "stop",
-                    policy_version=0,
-                )
-                if self.entropies:
-                    group.append(CompletionWithEntropy(**fields, entropies=[0.5] * len(logprobs)))
-                else:
-                    group.append(Completion(**fields))
+                finish_reason = "length" if text.endswith("...") else "stop"
+                tokens = list(range(len(logprobs)))
+                group.append(Completion(prompt, tokens, logprobs, text, finish_reason, 0))
             groups.append(group)
         return groups
 
@@ -183,25 +168,10 @@ def test_evaluate_reports_pass_maj_length_and_names_the_entropy_estimate():
     assert result["truncated_fraction"] == pytest.approx(2 / 8)
     logprobs = [lp for group in SCRIPT for _, lps in group for lp in lps]
     assert result["mean_sampled_token_nll"] == pytest.approx(-sum(logprobs) / len(logprobs))
-    assert "mean_token_entropy" not in result
     assert result["verifier_errors"] == 0
     assert [r["num_correct"] for r in result["per_prompt"]] == [1, 1]
     assert [r["majority_answer"] for r in result["per_prompt"]] == ["3", "4"]
     json.dumps(result)
-
-
-@pytest.mark.unit
-def test_evaluate_uses_engine_entropies_when_there_are_some():
-    result = evaluate(
-        ScriptedEngine(SCRIPT, entropies=True),
-        tokenizer(),
-        ITEMS,
-        exact_answer_reward,
-        4,
-        SamplingConfig(),
-    )
-    assert result["mean_token_entropy"] == 0.5
-    assert "mean_sampled_token_nll" not in result and "per_prompt" not in result
 
 
 @pytest.mark.unit

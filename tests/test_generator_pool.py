@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, 
     out = pool.generate([[i] for i in range(10)], SamplingConfig(n=1))
     assert [group[0].token_ids[0] for group in out] == list(range(10))
     assert pool.restarts == 1 and pool.needs_weights == {1}
-    assert pool.idle_replicas() == [0]  # the restarted replica waits for its weights
+    assert pool.available_replicas() == [0]  # the restarted replica waits for its weights
 
     # Alone, the restarted replica is resynced (here: told it has version 0) before it serves.
     alone = GeneratorPool([actors[1]], chunk_prompts=2)
@@ -94,11 +94,12 @@ def test_chunks_in_flight_are_tagged_and_busy_time_counted(local_ray):
     pool = GeneratorPool(actors, chunk_prompts=2)
     pool.submit(0, [[1], [2]], SamplingConfig(n=1), tag="a")
     pool.submit(1, [[3]], SamplingConfig(n=1), tag="b")
-    assert sorted(pool.in_flight_tags()) == ["a", "b"] and pool.idle_replicas() == []
+    assert sorted(pool.in_flight_tags()) == ["a", "b"]
     finished = sorted(pool.drain(), key=lambda f: f.chunk.tag)
     assert [f.chunk.tag for f in finished] == ["a", "b"] and not any(f.lost for f in finished)
     assert [g[0].token_ids[0] for g in finished[0].groups] == [1, 2]
-    assert pool.busy_seconds > 0 and pool.idle_replicas() == [0, 1]
+    assert pool.busy_seconds > 0 and not pool.in_flight_tags()
+    assert pool.available_replicas() == [0, 1]
 
 
 def test_work_waits_for_an_idle_replica_that_is_loading_weights(local_ray):

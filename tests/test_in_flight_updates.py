@@ -20,8 +20,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.rollout.engines import engine_options
-from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.rollout.vllm_engine import _sample_loads, _Streamed
+from cagrpo_ray.types import SamplingConfig
 
 LOGPROB_ATOL = 1e-4  # as tests/test_engines.py: measured ~1e-6 on this CPU
 

@@ -17,6 +17,7 @@ import urllib.request
 from html.parser import HTMLParser
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -176,6 +177,9 @@ def test_a_step_round_trips_through_parquet_with_its_metadata(tmp_path):
         read_step(tmp_path, 5)
     with pytest.raises(ValueError, match="lacks cov_scope"):
         write_step(tmp_path, 4, table, {"policy_loss": "grpo", "run_name": "r"})
+    pq.write_table(table, tmp_path / "inspect" / "step_000020.parquet")  # not by write_step
+    with pytest.raises(ValueError, match="step_000020.parquet has no cagrpo_inspect metadata"):
+        read_step(tmp_path, 20)
 
 
 @pytest.mark.unit

@@ -4,9 +4,9 @@ share a random stream (vLLM seeds sample j of a prompt with its seed + j)."""
 import pytest
 
 from cagrpo_ray.rollout.pool import chunk_sampling
-from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.rollout.vllm_engine import prompt_seed
 from cagrpo_ray.scheduler import step_seed
+from cagrpo_ray.types import SamplingConfig
 
 pytestmark = pytest.mark.unit
 

@@ -38,7 +38,7 @@ from cagrpo_ray.policies.gguf import (
 )
 from cagrpo_ray.policies.model import parameter_count
 from cagrpo_ray.rollout.buffer import group_record_batch, to_learner_batch
-from cagrpo_ray.rollout.types import Completion
+from cagrpo_ray.types import Completion
 
 pytestmark = pytest.mark.unit
 

@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cagrpo_ray.policies.model import random_policy
-from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync import WeightSender
+from cagrpo_ray.types import SamplingConfig
 
 pytestmark = pytest.mark.integration
 

@@ -469,7 +469,7 @@ def test_sync_makes_every_generator_the_learners_policy(learner, generators, pol
     from transformers import AutoModelForCausalLM
 
     from cagrpo_ray.rollout.engines import make_engine
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     vllm_engine, hf_engine = generators
     greedy = SamplingConfig(n=1, temperature=0.0, max_tokens=24)
@@ -506,7 +506,7 @@ def test_vllm_generator_names_a_learner_that_does_not_send_then_syncs_again(
     learner, generators, policy_dirs, prompts
 ):
     from cagrpo_ray.rollout.engines import make_engine
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     vllm_engine, _ = generators
     calls = []

@@ -22,7 +22,7 @@ from functools import partial
 from typing import Protocol
 
 from cagrpo_ray.env.tools import MAX_OUTPUT_CHARS, TOOLS, ToolResult, run_calculator, run_python
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 MAX_EPISODE_THREADS = 64  # episodes of one request going on at once (each mostly waits)
 

@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     from cagrpo_ray.rewards import RewardFunction
     from cagrpo_ray.rewards.verifiers import answer_extractor
     from cagrpo_ray.rollout.engines import make_engine
-    from cagrpo_ray.rollout.types import SamplingConfig
+    from cagrpo_ray.types import SamplingConfig
 
     model_path = resolve_policy(args.model)
     source = load_prompt_source(args.data, args.question_column, args.answer_column)

@@ -10,6 +10,7 @@ from typing import Any
 
 from cagrpo_ray.eval.metrics import k_values, maj_at_k, majority_answer, pass_at_k
 from cagrpo_ray.rewards.extract import extract_final_answer
+from cagrpo_ray.types import Completion
 
 
 def evaluate(
@@ -50,13 +51,12 @@ def evaluate(
         per reward component, `mean_response_tokens`, `truncated_fraction` (responses that hit
         `max_tokens`), `verifier_errors`, with `multi_turn` `tool_call_fraction` (the
         responses that called a tool), `mean_tool_calls` and `tool_errors` (errors and
-        timeouts), and one entropy number, named for what it is:
-        `mean_token_entropy` when every completion carries the engine's per-token entropies
-        (an `entropies` list), else `mean_sampled_token_nll`: the mean of -log p(sampled token)
-        over all sampled tokens. That is a one-sample Monte Carlo estimate of the entropy of
-        the distribution the tokens were sampled from (the temperature-scaled, top-k/top-p
-        filtered one), equal to the model's token entropy in expectation only at temperature
-        1 without filters. Token-level means weight every sampled token equally.
+        timeouts), and `mean_sampled_token_nll`: the mean of -log p(sampled token) over the
+        policy's sampled tokens, named for what it is. That is a one-sample Monte Carlo
+        estimate of the entropy of the distribution the tokens were sampled from (the
+        temperature-scaled, top-k/top-p filtered one), equal to the model's token entropy in
+        expectation only at temperature 1 without filters. Token-level means weight every
+        sampled token equally.
     """
     from cagrpo_ray.data.prompts import format_prompt
 
@@ -118,13 +118,11 @@ def evaluate(
     return metrics
 
 
-def _entropy(completions: list) -> dict[str, float]:
-    if all(getattr(c, "entropies", None) is not None for c in completions):
-        return {"mean_token_entropy": _mean([value for c in completions for value in c.entropies])}
+def _entropy(completions: list[Completion]) -> dict[str, float]:
     logprobs = [  # the policy's tokens only: a tool result's tokens were sampled by nobody
         value
         for c in completions
-        for value, mine in zip(c.logprobs, getattr(c, "from_policy", None) or repeat(True))  # noqa: B905
+        for value, mine in zip(c.logprobs, c.from_policy or repeat(True))  # noqa: B905
         if mine
     ]
     return {"mean_sampled_token_nll": -_mean(logprobs) if logprobs else math.nan}

@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
             print(write_page(args.run_dir, args.step, args.out))
         else:
             serve(args.run_dir, args.step, args.host, args.serve)
-    except OSError as error:  # a missing run or step (FileNotFoundError), a port in use
+    except (OSError, ValueError) as error:  # a missing run or step, a port in use, a foreign file
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 

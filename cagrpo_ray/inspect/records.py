@@ -120,7 +120,8 @@ def write_step(
 def read_step(run_dir: str | os.PathLike, step: int | None = None) -> tuple[pa.Table, dict]:
     """(table, metadata) of an inspected step; `step=None` reads the newest one.
 
-    Raises FileNotFoundError naming the run directory, or the step and the steps there are."""
+    Raises FileNotFoundError naming the run directory, or the step and the steps there are;
+    ValueError for a file without the metadata `write_step` writes."""
     if not Path(run_dir).is_dir():
         raise FileNotFoundError(f"run directory {run_dir} does not exist")
     steps = inspected_steps(run_dir)
@@ -134,9 +135,11 @@ def read_step(run_dir: str | os.PathLike, step: int | None = None) -> tuple[pa.T
     elif step not in steps:
         shown = ", ".join(map(str, steps))
         raise FileNotFoundError(f"step {step} was not inspected in {run_dir}; inspected: {shown}")
-    table = pq.read_table(step_path(run_dir, step), schema=INSPECT_SCHEMA)
-    raw = pq.read_schema(step_path(run_dir, step)).metadata or {}
-    return table, json.loads(raw.get(METADATA_KEY, b"{}"))
+    path = step_path(run_dir, step)
+    raw = pq.read_schema(path).metadata or {}
+    if METADATA_KEY not in raw:
+        raise ValueError(f"{path} has no {METADATA_KEY.decode()} metadata (written by write_step)")
+    return pq.read_table(path, schema=INSPECT_SCHEMA), json.loads(raw[METADATA_KEY])
 
 
 def select_groups(group_ids, k: int, seed: int) -> np.ndarray:

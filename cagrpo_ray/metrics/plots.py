@@ -1,4 +1,4 @@
-"""End-of-run plots (PNG) and a JSON summary, written next to the checkpoints.
+"""End-of-run plots (PNG) and the summary of a run's metrics (the trainer writes it as JSON).
 
 Each figure plots the metric series of one concern over learner steps; a series is drawn
 when its key is in the log, so a loss without kernel weights simply has an empty panel.
@@ -6,7 +6,6 @@ when its key is in the log, so a loss without kernel weights simply has an empty
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -111,9 +110,3 @@ def summarize(records: list[dict], extra: dict | None = None) -> dict:
             }
     summary.update(extra or {})
     return summary
-
-
-def write_summary(records: list[dict], path: str | Path, extra: dict | None = None) -> Path:
-    path = Path(path)
-    path.write_text(json.dumps(summarize(records, extra), indent=2))
-    return path

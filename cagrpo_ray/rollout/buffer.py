@@ -39,6 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from cagrpo_ray.types import Completion
+
 ROLLOUT_SCHEMA = pa.schema(
     [
         ("prompt_uid", pa.string()),
@@ -61,20 +63,17 @@ ROLLOUT_SCHEMA = pa.schema(
         ("tool_seconds", pa.float32()),
     ]
 )
-# Multi-turn columns, and what a row written before them holds (buffers of older checkpoints).
-ENV_DEFAULTS = {"policy_mask": None, "turns": 1, "tool_calls": 0, "tool_errors": 0,
-                "tool_timeouts": 0, "tool_seconds": 0.0}  # fmt: skip
 
 
 def group_record_batch(
     prompt_uid: str,
     group_id: int,
-    completions: Sequence,
+    completions: Sequence[Completion],
     rewards: Sequence[float],
     correct: Sequence[bool],
     advantages: Sequence[float],
 ) -> pa.RecordBatch:
-    """One prompt's group of `Completion`s (see rollout/types.py) as a record batch."""
+    """One prompt's group of `Completion`s (see cagrpo_ray/types.py) as a record batch."""
     n = len(completions)
     if not (n == len(rewards) == len(correct) == len(advantages)):
         raise ValueError(
@@ -87,11 +86,10 @@ def group_record_batch(
                 f"group {group_id} ({prompt_uid}): {len(c.token_ids)} tokens but "
                 f"{len(c.logprobs)} behavior log-probs"
             )
-        mask = getattr(c, "from_policy", None)
-        if mask is not None and len(mask) != len(c.token_ids):
+        if c.from_policy is not None and len(c.from_policy) != len(c.token_ids):
             raise ValueError(
                 f"group {group_id} ({prompt_uid}): {len(c.token_ids)} tokens but "
-                f"{len(mask)} policy-mask entries"
+                f"{len(c.from_policy)} policy-mask entries"
             )
     columns = {
         "prompt_uid": [prompt_uid] * n,
@@ -106,44 +104,25 @@ def group_record_batch(
         "prompt_len": [len(c.prompt_token_ids) for c in completions],
         "response_len": [len(c.token_ids) for c in completions],
         "finish_reason": [c.finish_reason for c in completions],
-        **{
-            key: [getattr(c, name, ENV_DEFAULTS[key]) for c in completions]
-            for key, name in _ENV_FIELDS.items()
-        },
+        "policy_mask": [c.from_policy for c in completions],
+        "turns": [c.turns for c in completions],
+        "tool_calls": [c.tool_calls for c in completions],
+        "tool_errors": [c.tool_errors for c in completions],
+        "tool_timeouts": [c.tool_timeouts for c in completions],
+        "tool_seconds": [c.tool_seconds for c in completions],
     }
     return pa.RecordBatch.from_pydict(columns, schema=ROLLOUT_SCHEMA)
-
-
-# column -> the `Completion` field it holds: its own name, but for the policy mask
-_ENV_FIELDS = {name: name for name in ENV_DEFAULTS} | {"policy_mask": "from_policy"}
-
-
-def with_env_columns(table: pa.Table) -> pa.Table:
-    """`table` with the multi-turn columns, filled with their single-turn values where it has
-    none (a buffer saved before they existed), in `ROLLOUT_SCHEMA`'s order."""
-    for name, default in ENV_DEFAULTS.items():
-        if name not in table.column_names:
-            kind = ROLLOUT_SCHEMA.field(name).type
-            table = table.append_column(name, pa.array([default] * table.num_rows, kind))
-    return table.select(ROLLOUT_SCHEMA.names).cast(ROLLOUT_SCHEMA)
 
 
 class RolloutBuffer:
     """FIFO of whole groups, each an Arrow record batch, with staleness accounting."""
 
-    def __init__(self, capacity_groups: int | None = None):
-        self.capacity_groups = capacity_groups
+    def __init__(self):
         self._groups: deque[pa.RecordBatch] = deque()
         self.dropped_stale = 0  # groups dropped for staleness
-        self.dropped_overflow = 0  # groups dropped because the buffer was full
-        self.added = 0
 
     def __len__(self) -> int:
         return len(self._groups)
-
-    @property
-    def num_samples(self) -> int:
-        return sum(batch.num_rows for batch in self._groups)
 
     def add(self, group: pa.RecordBatch) -> None:
         if group.schema != ROLLOUT_SCHEMA:
@@ -151,11 +130,6 @@ class RolloutBuffer:
         if len(set(group.column("group_id").to_pylist())) != 1:
             raise ValueError("a rollout group must hold exactly one group_id")
         self._groups.append(group)
-        self.added += 1
-        if self.capacity_groups is not None:
-            while len(self._groups) > self.capacity_groups:
-                self._groups.popleft()
-                self.dropped_overflow += 1
 
     def drop_stale(self, min_version: int) -> int:
         """Drop groups holding any sample from a policy older than `min_version`."""
@@ -186,10 +160,11 @@ class RolloutBuffer:
 
     def load_table(self, table: pa.Table) -> None:
         """Refill from a table written by `to_table` (groups keep their order)."""
+        if not table.schema.equals(ROLLOUT_SCHEMA):
+            raise ValueError(f"rollout table has schema {table.schema}, expected {ROLLOUT_SCHEMA}")
         self._groups.clear()
         if table.num_rows == 0:
             return
-        table = with_env_columns(table)
         group_ids = table.column("group_id").to_numpy()
         starts = np.flatnonzero(np.r_[True, group_ids[1:] != group_ids[:-1]])
         ends = np.r_[starts[1:], len(group_ids)]

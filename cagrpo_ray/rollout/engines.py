@@ -23,8 +23,8 @@ from typing import Literal, Protocol
 
 import torch
 
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
 from cagrpo_ray.sync import SyncAddress
+from cagrpo_ray.types import Completion, SamplingConfig
 
 
 class Engine(Protocol):

@@ -35,9 +35,9 @@ import ray
 
 from cagrpo_ray.console import redirect_output
 from cagrpo_ray.env.episode import SINGLE_TURN, ToolEnvironment, run_episodes, text_encoder
+from cagrpo_ray.types import Completion, SamplingConfig
 
 from .engines import make_engine
-from .types import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
 from cagrpo_ray.sync import SyncAddress, WeightReceiver
+from cagrpo_ray.types import Completion, SamplingConfig
 
 
 class HFEngine:

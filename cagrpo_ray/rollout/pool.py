@@ -29,7 +29,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from .types import Completion, SamplingConfig
+from cagrpo_ray.types import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
 
@@ -113,9 +113,6 @@ class GeneratorPool:
         """The policy version `replica` samples its next request with."""
         return self._next_version[replica]
 
-    def prompts_in_flight(self, replica: int) -> int:
-        return self._prompts[replica]
-
     def available_replicas(self, chunk: int = 1) -> list[int]:
         """Replicas that may take a chunk of `chunk` prompts now (not loading weights, not
         waiting for a resync, under `max_prompts_in_flight`), least loaded first.
@@ -136,10 +133,6 @@ class GeneratorPool:
             and (limit <= 0 or self._prompts[r] + chunk <= limit)
         ]
         return sorted(ready, key=lambda r: (self._prompts[r], r))
-
-    def idle_replicas(self) -> list[int]:
-        """Replicas with nothing in flight that may serve."""
-        return [r for r in self.available_replicas() if self._prompts[r] == 0]
 
     def _settle_loads(self) -> None:
         """Forget the weight loads that have finished (however they ended)."""

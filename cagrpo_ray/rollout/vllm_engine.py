@@ -41,8 +41,8 @@ from pathlib import Path
 
 import torch
 
-from cagrpo_ray.rollout.types import Completion, SamplingConfig
 from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
+from cagrpo_ray.types import Completion, SamplingConfig
 
 WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
 CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the box (ENVIRONMENT.md)

@@ -1,4 +1,9 @@
-"""What an engine is asked for (`SamplingConfig`) and what it returns per sample (`Completion`)."""
+"""What an engine is asked for (`SamplingConfig`) and what it returns per sample (`Completion`).
+
+The records shared by `env/` (an episode samples turns and returns a `Completion`), `rollout/`
+(the engines, the generator and its pool) and `eval/`: they sit below all three, so that none
+of those packages imports another to reach them. This module imports nothing of the package.
+"""
 
 from __future__ import annotations
 
