@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cagrpo_ray.data.files import PromptFileError
+    from cagrpo_ray.metrics.trackers import TrackerError
     from cagrpo_ray.placement import PlacementError
     from cagrpo_ray.plan import PlanError
     from cagrpo_ray.policies.build import PolicyPathError
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         # The actors are gone; what Ray would still forward from them is in their log files,
         # and nothing prints after what comes next.
         ray.shutdown()
-    if isinstance(error, PromptFileError | PolicyPathError | PlacementError | PlanError):
+    bad_input = PromptFileError | PolicyPathError | PlacementError | PlanError | TrackerError
+    if isinstance(error, bad_input):
         # bad input found once the run looks at it: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
