@@ -369,7 +369,7 @@ class Trainer:
             if cfg.metrics.inspect_every:
                 summary["inspect_dir"] = str(self.run_dir / "inspect")
             records = read_metrics(self.metrics.path)
-            plot_run(records, self.run_dir / "plots")
+            plot_run(records, self.run_dir / "plots", summary)
             summary = self.trackers.finish(summarize(records, summary))
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
