@@ -5,24 +5,24 @@
     result.run_dir, result.eval_before["pass@1"], result.eval_after["pass@1"]
 
 Importing the package, or `train` from it, imports nothing else: the config, Ray, torch and
-vLLM load when `train` is called (`cagrpo_ray.run.train` has the whole signature).
+vLLM load when `train` is called (`cagrpo_ray.api.train` has the whole signature).
 """
 
 __all__ = ["TrainResult", "train"]
 
 
 def train(config="configs/cpu-tiny.yaml", overrides=None, **options):
-    """`cagrpo_ray.run.train`: train as `python -m cagrpo_ray.run` does and return a
+    """`cagrpo_ray.api.train`: train as `python -m cagrpo_ray.run` does and return a
     `TrainResult` (run_dir, eval_before, eval_after, summary). `options`: reward_functions,
     train_data, eval_data, resume."""
-    from cagrpo_ray.run import train as run_train
+    from cagrpo_ray.api import train as api_train
 
-    return run_train(config, overrides, **options)
+    return api_train(config, overrides, **options)
 
 
 def __getattr__(name: str):
     if name == "TrainResult":
-        from cagrpo_ray.run import TrainResult
+        from cagrpo_ray.api import TrainResult
 
         return TrainResult
     raise AttributeError(f"module 'cagrpo_ray' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The Python API's parts that need no cluster (cagrpo_ray/__init__.py, cagrpo_ray/run.py):
+"""The Python API's parts that need no cluster (cagrpo_ray/__init__.py, cagrpo_ray/api.py):
 overrides given as Python values resolve as `--set` would, a callable reward function becomes
 a module the reward pool can import, rows become a Parquet file, and importing the package
 stays cheap. tests/test_train_api.py trains through `train()` for real."""
@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from cagrpo_ray.api import _as_set_strings, _data_path, _pickled_reward_function, train
 from cagrpo_ray.config import ConfigError, load_config
-from cagrpo_ray.run import _as_set_strings, _data_path, _pickled_reward_function, train
 
 pytestmark = pytest.mark.unit
 

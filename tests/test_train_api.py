@@ -7,6 +7,8 @@ metrics.jsonl and the final table."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -83,3 +85,21 @@ def test_train_returns_the_run_and_the_trackers_hold_its_metrics(tmp_path, offli
     assert history == f32
     assert tb_params["rollout.prompts_per_step"] == 8
     assert tb_summary == {k: float(np.float32(v)) for k, v in final.items()}
+
+
+def test_a_tracker_that_cannot_start_stops_the_command_in_one_line(tmp_path, offline):
+    """Before any actor starts: exit status 2, one line naming the tracker, no traceback."""
+    command = [sys.executable, "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]
+    for item in (
+        f"run.output_dir={tmp_path}",
+        "metrics.enabled=false",
+        "metrics.loggers=[tensorboard, mlflow]",
+        "metrics.mlflow_tracking_uri=nosuch://tracker",
+    ):
+        command += ["--set", item]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: metrics.loggers 'mlflow' could not start: "), last
+    assert not (tmp_path / "cpu-tiny" / "checkpoints").exists()
