@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 WANDB_HEADER = b":W&B\xe1\xbe\x00"  # ident, magic 0xBEE1, version 0
@@ -28,8 +29,8 @@ def wandb_records(path: Path) -> list:
             pos += LOG_BLOCK - pos % LOG_BLOCK
             continue
         _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0 and length == 0:  # zero padding at the end
-            break
+        if (kind == 0 and length == 0) or pos + 7 + length > len(data):
+            break  # zero padding at the end, or a record still being written
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
@@ -44,12 +45,25 @@ def _item_key(item) -> str:
     return item.key or "/".join(item.nested_key)
 
 
+def finished_wandb_records(path: Path, timeout_s: float = 60) -> list:
+    """The records of a finished run's file. `run.finish()` returns once W&B's service has the
+    run's exit, but the service writes the file on its own schedule: wait until the exit
+    record is on disk (under load this took a moment after `finish()` returned)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{path}: no exit record after {timeout_s} s"
+        time.sleep(0.2)
+
+
 def read_wandb(run_dir: Path) -> tuple[dict, dict, dict]:
     (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     history: dict = {}
     params: dict = {}
     summary: dict = {}
-    for record in wandb_records(path):
+    for record in finished_wandb_records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             params.update({u.key: json.loads(u.value_json) for u in record.run.config.update})
