@@ -1,5 +1,6 @@
-"""The Python API: `train()` (`from cagrpo_ray import train`) and `run_training()`, which
-`python -m cagrpo_ray.run` calls too, and the final report both print.
+"""The Python API, `train()` (`from cagrpo_ray import train`), and what it shares with
+`python -m cagrpo_ray.run`: `run_training()`, the run both start, and `final_report()`, the
+before/after table both print.
 
 `train()` takes a config file or `Config`, overrides as Python values, and a user's reward
 functions and data as Python objects, which it hands to the config's own keys
