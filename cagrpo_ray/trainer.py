@@ -35,6 +35,7 @@ from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.env.episode import environment_options
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
+from cagrpo_ray.metrics.trackers import Trackers
 from cagrpo_ray.placement import Placement
 from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
@@ -123,6 +124,7 @@ class Trainer:
         self.stop_requested = False
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
+        self.trackers = Trackers([])  # metrics.loggers: W&B, MLflow, TensorBoard
         self.inspector = None  # the live token inspector's server
         self.pool: GeneratorPool | None = None
         self.reward_pool = None
@@ -145,6 +147,7 @@ class Trainer:
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        self.trackers = Trackers.start(cfg, self.run_dir, self.resume)  # first: one may fail
         random.seed(cfg.run.seed)
         np.random.seed(cfg.run.seed)
 
@@ -366,8 +369,8 @@ class Trainer:
             if cfg.metrics.inspect_every:
                 summary["inspect_dir"] = str(self.run_dir / "inspect")
             records = read_metrics(self.metrics.path)
-            plot_run(records, self.run_dir / "plots")
-            summary = summarize(records, summary)
+            plot_run(records, self.run_dir / "plots", summary)
+            summary = self.trackers.finish(summarize(records, summary))
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
@@ -381,6 +384,7 @@ class Trainer:
             self.exporter.observe_step(self.step, metrics)
         scalars = {k: v for k, v in metrics.items() if isinstance(v, int | float)}
         self.metrics.write({"step": self.step, **scalars})
+        self.trackers.log(self.step, scalars)
         log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
 
     def close(self) -> None:
@@ -388,6 +392,7 @@ class Trainer:
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
+        self.trackers.close(failed=True)  # a no-op once finish() has closed them
         if self.inspector is not None:
             self.inspector.close()
             self.inspector = None

@@ -333,6 +333,25 @@ class MetricsConfig(Section):
         description="Port of the live token inspector the driver serves (0: a free one; "
         "null: no live page, the files only).",
     )
+    loggers: list[Literal["wandb", "mlflow", "tensorboard"]] = Field(
+        default_factory=list,
+        description="Experiment trackers beside metrics.jsonl and the Prometheus exporter "
+        "(the `track` extra): per-step scalars, the config as parameters, the held-out table "
+        "as summary values, under runs/<name>/ (cagrpo_ray/metrics/trackers.py).",
+    )
+    tracker_project: str = Field(
+        "cagrpo_ray", description="W&B project and MLflow experiment the run is logged in."
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="W&B offline (files under runs/<name>/wandb/, uploaded later with "
+        "`wandb sync`) or online (needs `wandb login` and the network).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking server or store (null: a local file store in "
+        "runs/<name>/mlruns/).",
+    )
 
 
 class ClusterConfig(Section):
