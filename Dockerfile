@@ -6,8 +6,9 @@
 #   docker build --target cpu -t cagrpo-ray:cpu .   # the CPU stack of `make setup`
 #
 # Each target is built in a "-build" stage and copied into a slim final stage that holds the
-# Python environment (/opt/venv, first on PATH), the configs in /app and a non-root user
-# `ray` (uid 1000, as KubeRay's examples assume); /etc/profile.d puts the venv on the PATH of
+# Python environment (/opt/venv, first on PATH), the configs and the pods' preStop script in
+# /app and a non-root user `ray` (uid 1000, as KubeRay's examples assume; USER is numeric so
+# that Kubernetes' runAsNonRoot can verify it); /etc/profile.d puts the venv on the PATH of
 # login shells too (KubeRay starts Ray with `bash -lc`, and Debian's /etc/profile resets PATH).
 # The final stages keep a C compiler on purpose, since vLLM's torch.compile (Triton on GPUs,
 # C++ on CPUs) compiles kernels at run time; they carry no CUDA toolkit, no make, no package
@@ -55,8 +56,13 @@ RUN uv python install "${PYTHON_VERSION}" \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY cagrpo_ray ./cagrpo_ray
-# vLLM pins its CUDA torch; torch, NCCL and the CUDA runtime come as wheels.
-RUN uv pip install ".[gpu]"
+# The gpu extra from its lock file (every package pinned, with its sha256 hashes; regenerated
+# with the command in its header): two builds install the same packages. vLLM pins its CUDA
+# torch; torch, NCCL and the CUDA runtime come as wheels. Then the project itself, without
+# dependencies and without fetching a build backend.
+COPY deploy/requirements-gpu.txt ./
+RUN uv pip install --require-hashes --no-deps -r requirements-gpu.txt \
+    && uv pip install --no-deps --no-build-isolation .
 # FlashInfer's precompiled kernels, into the venv that the final stage copies. vLLM 0.33.0
 # requires flashinfer-python 0.7.2.post1 but not its kernel wheels. Without them, the final
 # stage (no nvcc) would have vLLM switch FlashInfer off; with nvcc, FlashInfer would compile
@@ -84,8 +90,12 @@ RUN uv pip install --no-deps --no-build-isolation --reinstall-package deepspeed 
 
 FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu${UBUNTU_VERSION} AS gpu
 # gcc and libc6-dev: Triton builds its kernel launchers at run time. wget: KubeRay's probes.
+# libibverbs1, ibverbs-providers (mlx5 and the other drivers) and librdmacm1, rdma-core's
+# user-space libraries: NCCL opens libibverbs.so.1 at run time for its IB transport
+# (InfiniBand and RoCE, k8s/components/rdma); without them it finds no adapter.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev wget ca-certificates \
+        libibverbs1 ibverbs-providers librdmacm1 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --uid 1000 --create-home --shell /bin/bash ray \
     && echo 'export PATH=/opt/venv/bin:$PATH' > /etc/profile.d/venv.sh
@@ -93,6 +103,7 @@ COPY --from=gpu-build /opt/python /opt/python
 COPY --from=gpu-build /opt/venv /opt/venv
 WORKDIR /app
 COPY configs ./configs
+COPY deploy/stop_ray_jobs.py /app/deploy/
 # NVIDIA_REQUIRE_CUDA: the NVIDIA Container Toolkit checks it against the node's driver before
 # the container starts ("unsatisfied condition: cuda>=13.0" on drivers older than 580).
 ENV VIRTUAL_ENV=/opt/venv \
@@ -100,7 +111,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     DS_ACCELERATOR=cuda \
     NVIDIA_REQUIRE_CUDA="cuda>=13.0" \
     PYTHONUNBUFFERED=1
-USER ray
+USER 1000:1000
 CMD ["python", "-m", "cagrpo_ray.run", "--help"]
 
 # ---------------------------------------------------------------------------------------- CPU
@@ -141,9 +152,10 @@ RUN apt-get update \
 COPY --from=cpu-build /opt/venv /opt/venv
 WORKDIR /app
 COPY configs ./configs
+COPY deploy/stop_ray_jobs.py /app/deploy/
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     DS_ACCELERATOR=cpu \
     PYTHONUNBUFFERED=1
-USER ray
+USER 1000:1000
 CMD ["python", "-m", "cagrpo_ray.run", "--config", "configs/cpu-tiny.yaml"]

@@ -1,4 +1,5 @@
-"""Write k8s/grafana-dashboard.yaml from deploy/grafana/dashboards/cagrpo_ray.json.
+"""Write k8s/components/monitoring/grafana-dashboard.yaml from deploy/grafana/dashboards/
+cagrpo_ray.json.
 
     python k8s/render_dashboard.py
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "cagrpo_ray.json"
-CONFIGMAP = ROOT / "k8s" / "grafana-dashboard.yaml"
+CONFIGMAP = ROOT / "k8s" / "components" / "monitoring" / "grafana-dashboard.yaml"
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """deploy/: the Prometheus scrape config passes promtool, the Grafana provisioning points at the
-dashboard, and every series the dashboard queries is one the exporter really exports."""
+dashboard, and every series the dashboard queries is one the exporter really exports; the pods'
+preStop script (deploy/stop_ray_jobs.py) stops only active jobs and waits for them."""
 
 import json
 import os
@@ -154,3 +155,62 @@ def test_promtool_accepts_the_prometheus_config():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+# -------------------------------------------------- the pods' preStop script (k8s/, deploy/)
+
+
+def load_stop_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stop_ray_jobs", DEPLOY / "stop_ray_jobs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class RecordingJobClient:
+    """The part of Ray's JobSubmissionClient the script uses; a job stops `polls` status
+    reads after it was asked to (a real head: tests/test_token_auth.py)."""
+
+    def __init__(self, statuses: dict[str, str], polls: int):
+        self.statuses, self.polls, self.stopped, self.reads = dict(statuses), polls, [], 0
+
+    def list_jobs(self):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(submission_id=s, status=v) for s, v in self.statuses.items()]
+
+    def stop_job(self, submission_id):
+        self.stopped.append(submission_id)
+
+    def get_job_status(self, submission_id):
+        self.reads += 1
+        if submission_id in self.stopped and self.reads > self.polls:
+            self.statuses[submission_id] = "STOPPED"
+        return self.statuses[submission_id]
+
+
+def test_the_stop_script_stops_only_active_jobs_and_waits_for_them():
+    script = load_stop_script()
+    statuses = {"a": "RUNNING", "b": "SUCCEEDED", "c": "PENDING", "d": "FAILED"}
+    client = RecordingJobClient(statuses, polls=3)
+    assert script.stop_jobs(client, timeout_s=30, poll_s=0.001) == 0
+    assert client.stopped == ["a", "c"]
+    assert client.statuses["a"] == client.statuses["c"] == "STOPPED"
+    assert client.reads > 3
+
+
+def test_the_stop_script_gives_up_at_its_timeout():
+    script = load_stop_script()
+    client = RecordingJobClient({"a": "RUNNING"}, polls=10**9)
+    assert script.stop_jobs(client, timeout_s=0.05, poll_s=0.01) == 1
+    assert client.stopped == ["a"]
+
+
+def test_the_stop_script_reaches_the_head_from_a_worker(monkeypatch):
+    script = load_stop_script()
+    monkeypatch.setenv("FQ_RAY_IP", "cagrpo-head-svc.team.svc.cluster.local")
+    assert script.default_address() == "http://cagrpo-head-svc.team.svc.cluster.local:8265"
+    monkeypatch.delenv("FQ_RAY_IP")
+    assert script.default_address() == "http://127.0.0.1:8265"

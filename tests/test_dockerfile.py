@@ -17,6 +17,7 @@ pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).parent.parent
 FINAL_STAGES = {"gpu", "cpu"}
+LOCK = "deploy/requirements-gpu.txt"
 BUILD_TOOLS = {"build-essential", "cmake", "git", "ninja-build", "make", "cuda-toolkit"}
 
 # Facts about the GPU stack, read once from the wheels (the tests cannot download them):
@@ -93,17 +94,30 @@ def copy_parts(rest: str) -> tuple[dict, list[str], str]:
 
 
 def dockerignored(path: str, patterns: list[str]) -> bool:
-    """Whether .dockerignore excludes `path` or a folder above it (`**/` matches any depth)."""
+    """Whether .dockerignore excludes `path` or a folder above it (`**/` matches any depth; the
+    last matching pattern decides, and one starting with `!` includes again)."""
     parts = Path(path).parts
     prefixes = [parts[: i + 1] for i in range(len(parts))]
+    excluded = False
     for pattern in patterns:
+        include = pattern.startswith("!")
+        pattern = pattern.removeprefix("!")
         anywhere = pattern.startswith("**/")
         pattern = pattern.removeprefix("**/")
         for prefix in prefixes:
             tails = [prefix[j:] for j in range(len(prefix))] if anywhere else [prefix]
             if any(fnmatch.fnmatchcase("/".join(tail), pattern) for tail in tails):
-                return True
-    return False
+                excluded = not include
+                break
+    return excluded
+
+
+def test_dockerignored_reads_negations_last_match_first():
+    patterns = ["deploy/*", "!deploy/keep.py", "**/__pycache__"]
+    assert dockerignored("deploy/other.py", patterns)
+    assert not dockerignored("deploy/keep.py", patterns)
+    assert dockerignored("deploy/__pycache__/x.pyc", patterns)
+    assert not dockerignored("configs/a.yaml", patterns)
 
 
 @pytest.fixture(scope="module")
@@ -152,8 +166,10 @@ def test_every_installed_extra_is_defined_in_pyproject(dockerfile):
                 for extras in re.findall(r"['\"]?\.\[([\w,\s-]+)\]['\"]?", rest):
                     for extra in extras.split(","):
                         installed[extra.strip()] = stage["name"]
-    assert installed == {"gpu": "gpu-build", "cpu": "cpu-build"}
+    assert installed == {"cpu": "cpu-build"}
     assert set(installed) <= defined
+    # The gpu extra comes from its lock file, made from pyproject.toml's gpu extra.
+    assert "--extra gpu" in (ROOT / LOCK).read_text().splitlines()[1]
 
 
 def test_stages_referenced_exist_and_final_stages_are_the_targets(dockerfile):
@@ -194,7 +210,8 @@ def test_final_stages_run_as_a_non_root_user_without_build_tools(dockerfile):
             continue
         users = [rest for keyword, rest in stage["steps"] if keyword == "USER"]
         assert users, f"stage {stage['name']} has no USER"
-        assert users[-1].split(":")[0] not in ("root", "0")
+        # Numeric, so that Kubernetes' runAsNonRoot can check it without /etc/passwd.
+        assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", users[-1]), users[-1]
         assert "devel" not in stage["base"], stage["base"]
         for keyword, rest in stage["steps"]:
             if keyword == "RUN" and "apt-get install" in rest:
@@ -273,7 +290,7 @@ def test_the_gpu_build_installs_flashinfers_precompiled_kernels_into_the_copied_
     assert matching, f"FlashInfer has no flashinfer-jit-cache wheel for CUDA {TORCH_CUDA}"
     assert max(matching) == TORCH_CUDA, "the Dockerfile's comment names the +cu130 wheel"
     runs = [rest for keyword, rest in stage(dockerfile, "gpu-build")["steps"] if keyword == "RUN"]
-    [gpu_install] = [i for i, rest in enumerate(runs) if ".[gpu]" in rest]
+    [gpu_install] = [i for i, rest in enumerate(runs) if "requirements-gpu.txt" in rest]
     kernels = [i for i, rest in enumerate(runs) if re.search(r"\bvllm download-kernels\b", rest)]
     assert kernels, "the gpu-build stage does not run `vllm download-kernels`"
     # After vLLM (and FlashInfer) are installed, and a failed download fails the build.
@@ -302,3 +319,32 @@ def test_the_driver_floor_is_documented_in_the_dockerfile_header_and_the_k8s_rea
     assert floor in " ".join(" ".join(header).split()), "the Dockerfile header"
     readme = " ".join((ROOT / "k8s" / "README.md").read_text().split())
     assert floor in readme, "k8s/README.md"
+
+
+def test_the_gpu_build_installs_the_locked_gpu_extra_with_hashes(dockerfile):
+    """Every package of the gpu extra pinned with hashes, the lock's vllm the extra's pin."""
+    runs = [rest for keyword, rest in stage(dockerfile, "gpu-build")["steps"] if keyword == "RUN"]
+    [install] = [rest for rest in runs if "requirements-gpu.txt" in rest]
+    assert "--require-hashes" in install and "--no-deps" in install
+    assert "--no-deps --no-build-isolation ." in install
+    copies = [copy_parts(r) for k, r in stage(dockerfile, "gpu-build")["steps"] if k == "COPY"]
+    assert ({}, [LOCK], "./") in copies
+    requirements = re.findall(
+        r"^([A-Za-z0-9_.\-\[\]]+)==(\S+) \\$", (ROOT / LOCK).read_text(), re.M
+    )
+    pinned = {name.lower(): version for name, version in requirements}
+    assert len(pinned) > 200
+    assert GPU_PIN == f"vllm=={pinned['vllm']}"
+    text = (ROOT / LOCK).read_text()
+    blocks = re.split(r"^(?=\S)", text, flags=re.M)
+    for block in blocks:
+        if "==" in block.split("\n")[0]:
+            assert "--hash=sha256:" in block, block.split("\n")[0]
+
+
+def test_the_gpu_image_has_the_verbs_libraries_nccl_opens_and_the_prestop_script(dockerfile):
+    runs = " ".join(r for k, r in stage(dockerfile, "gpu")["steps"] if k == "RUN")
+    assert {"libibverbs1", "ibverbs-providers", "librdmacm1"} <= set(runs.split())
+    for name in FINAL_STAGES:
+        copies = [copy_parts(r) for k, r in stage(dockerfile, name)["steps"] if k == "COPY"]
+        assert ({}, ["deploy/stop_ray_jobs.py"], "/app/deploy/") in copies, name
