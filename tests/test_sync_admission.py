@@ -129,3 +129,35 @@ def test_a_member_that_never_proves_the_secret_is_not_admitted():
         assert not stranger.check(["auth/admitted/1"])
     finally:
         sender.close()
+
+
+def test_the_store_that_nccl_reads_refuses_values_without_the_secret():
+    """vLLM's StatelessProcessGroup unpickles what it reads: an unsigned or foreign value
+    must be refused before that."""
+    secret, challenge = sync_group.new_secret(), "c0ffee"
+    raw = dist.HashStore()
+    signed = sync_group.SignedStore(raw, secret, challenge)
+    signed.set("broadcast_from/0/0", b"\x80\x04K\x07.")  # pickle of 7
+    assert signed.get("broadcast_from/0/0") == b"\x80\x04K\x07."
+    raw.set("broadcast_from/0/1", b"\x80\x04K\x07.")  # a stranger's value, unsigned
+    other = sync_group.SignedStore(raw, sync_group.new_secret(), challenge)
+    other.set("broadcast_from/0/2", b"x")  # signed under another secret
+    raw.set("moved", raw.get("broadcast_from/0/0"))  # a member's value under another key
+    later = sync_group.SignedStore(raw, secret, "later-group")  # or in a later group
+    for store, key in [(signed, "broadcast_from/0/1"), (signed, "broadcast_from/0/2"),
+                       (signed, "moved"), (later, "broadcast_from/0/0")]:  # fmt: skip
+        with pytest.raises(WeightSyncError, match=f"value at '{key}' .* refused before use"):
+            store.get(key)
+    assert signed.delete_key("broadcast_from/0/0") and not raw.check(["broadcast_from/0/0"])
+
+
+def test_the_nccl_transport_is_built_on_the_signed_store(monkeypatch):
+    made = []
+    monkeypatch.setattr(
+        sync_group, "PyNcclTransport", lambda store, *args: made.append(store) or object()
+    )
+    sync_group.join_group(
+        dist.HashStore(), 0, 1, "nccl", TIMEOUT_S, "127.0.0.1", "GPU-a",
+        torch.device("cuda", 0), secret=sync_group.new_secret(),
+    )  # fmt: skip
+    assert isinstance(made[0], sync_group.SignedStore)

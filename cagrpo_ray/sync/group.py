@@ -224,6 +224,44 @@ def await_admission(store, rank: int, secret: str, challenge: str, timeout_s: fl
         )
 
 
+class SignedStore:
+    """The group's store as vLLM's `StatelessProcessGroup` sees it (the NCCL path), which
+    unpickles what it reads: a value read from a store that any client can write would run
+    that client's code. Here every value is written with HMAC-SHA256(secret, challenge|key|
+    value) in front, and one without a valid tag is refused before anything unpickles it.
+    The tag binds the key and the group's challenge, so a value cannot be moved to another key
+    or replayed into a later group. Pure Python: `StatelessProcessGroup` calls only `set`,
+    `get` and `delete_key`."""
+
+    TAG_BYTES = 32
+
+    def __init__(self, store, secret: str, challenge: str):
+        self.store = store
+        self._key = bytes.fromhex(secret)
+        self._challenge = challenge.encode()
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        message = self._challenge + b"|" + key.encode() + b"|" + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self.store.set(key, self._tag(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        raw = self.store.get(key)
+        tag, value = raw[: self.TAG_BYTES], raw[self.TAG_BYTES :]
+        if not hmac.compare_digest(tag, self._tag(key, value)):
+            raise WeightSyncError(
+                f"weight sync: the value at {key!r} in the group's store does not carry the "
+                "group's secret (a client outside the run wrote it); refused before use"
+            )
+        return value
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+
 def join_group(
     store,
     rank: int,
@@ -287,7 +325,9 @@ def join_group(
     # generator worker (see `transport.py`). PyNccl has no watchdog; our waits bound each
     # broadcast, and an abort costs only this group.
     try:
-        return PyNcclTransport(group_store, rank, world_size, device)
+        return PyNcclTransport(
+            SignedStore(group_store, secret, challenge), rank, world_size, device
+        )
     except (RuntimeError, dist.DistError) as exc:
         raise WeightSyncError(
             f"{rank_name(rank)} could not form the weight-sync NCCL communicator (world size "
