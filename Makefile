@@ -2,6 +2,7 @@
 #   make train   set up, then train the embedded default (configs/cpu-tiny.yaml)
 #   make test    set up, then run the whole test suite
 #   make bench-setup  add the benchmark-only extra (TRL) to .venv without changing any installed version
+#   make pinned-wheels  cache the GPU extra's vLLM wheel, whose source a test reads (make test runs it)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
