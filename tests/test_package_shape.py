@@ -26,10 +26,14 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("algorithm", {"algo"}),
     # records and utilities that every role shares (SamplingConfig, Completion, logging)
     ("foundation", {"types", "console", "progress"}),
-    # parts a role is built from, knowing no role: config, prompts, verifiers, environments
+    # parts a role is built from, knowing no role: config, prompts, verifiers, environments,
+    # the checkpoint directories
     (
         "components",
-        {"config", "data", "rewards", "env", "metrics", "inspect", "policies", "placement"},
+        {
+            "config", "data", "rewards", "env", "metrics", "inspect", "policies", "placement",
+            "checkpoints",
+        },
     ),
     # the roles: generators and the buffer, learners, the weight sync
     ("roles", {"rollout", "learner", "sync"}),

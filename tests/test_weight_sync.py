@@ -107,8 +107,9 @@ def test_receive_buffers_are_reused_only_when_no_view_is_held():
 def _join_alone(backend: str, *device_args):
     """Join a one-rank group on an in-memory store; `device_args`: (device_id, device)."""
     return sync_group.join_group(
-        dist.HashStore(), 0, 1, backend, SHORT_TIMEOUT_S, "127.0.0.1", *device_args
-    )
+        dist.HashStore(), 0, 1, backend, SHORT_TIMEOUT_S, "127.0.0.1", *device_args,
+        secret=sync_group.new_secret(),
+    )  # fmt: skip
 
 
 @pytest.mark.unit
@@ -164,8 +165,10 @@ def test_an_nccl_broadcast_that_never_finishes_fails_its_wait_on_time():
 def test_the_gloo_path_never_imports_vllm():
     code = (
         "import sys, torch.distributed as dist\n"
-        "from cagrpo_ray.sync.group import join_group\n"
-        "join_group(dist.HashStore(), 0, 1, 'gloo', 2.0, '127.0.0.1').close()\n"
+        "from cagrpo_ray.sync.group import join_group, new_secret\n"
+        "secret = new_secret()\n"
+        "group = join_group(dist.HashStore(), 0, 1, 'gloo', 2.0, '127.0.0.1', secret=secret)\n"
+        "group.close()\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] == 'vllm']\n"
         "assert not loaded, loaded\n"
     )
@@ -358,7 +361,9 @@ def test_a_worker_that_stalls_mid_transfer_fails_the_sync_and_a_new_group_works(
 
 @pytest.mark.unit
 def test_a_worker_without_a_learner_store_says_so():
-    address = SyncAddress("127.0.0.1", free_port(), 2, "gloo", SHORT_TIMEOUT_S)
+    address = SyncAddress(
+        "127.0.0.1", free_port(), 2, "gloo", SHORT_TIMEOUT_S, sync_group.new_secret()
+    )
     with pytest.raises(WeightSyncError, match="store at 127.0.0.1:.* was not reachable"):
         WeightReceiver(address, 1)
 

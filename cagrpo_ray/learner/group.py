@@ -25,6 +25,7 @@ from cagrpo_ray.algo import LossSpec
 from cagrpo_ray.console import LOG_FILE_ENV, actor_env, redirect_output
 from cagrpo_ray.learner.batch import check_batch, group_sizes
 from cagrpo_ray.learner.settings import LearnerSettings
+from cagrpo_ray.sync.group import sync_host
 
 if TYPE_CHECKING:
     from cagrpo_ray.learner.learner import Learner
@@ -86,7 +87,8 @@ class LearnerActor:
     def open_weight_sender(
         self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
     ) -> dict | None:
-        host = ray.util.get_node_ip_address()
+        single_node = sum(1 for node in ray.nodes() if node["Alive"]) == 1
+        host = sync_host(ray.util.get_node_ip_address(), single_node)
         return self.learner.open_weight_sender(host, world_size, backend, timeout_s, bucket_mb)
 
     def send_weights(self, version: int) -> dict:

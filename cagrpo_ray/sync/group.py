@@ -9,11 +9,23 @@ A raw collective whose peer never comes blocks until its timeout and then says n
 who is missing. So every rendezvous goes through the store first: each rank writes a key
 (`joined/<rank>`, `v<version>/ready/<rank>`) and waits for the others' keys, and a timeout
 names the ranks whose keys are missing. Only then does the data collective start.
+
+Only the run's own ranks are admitted (docs/architecture.md, "Who may join"): the learner's
+store listens only on the address the members use, and every member proves that it holds the
+group's secret (a random token that the learner made and the run handed to the members
+through Ray calls) before the learner joins the group with it; the members check the
+learner's proof in turn. `TCPStore` itself has no authentication: the proofs are HMACs over a
+fresh challenge, written to and read from the store.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import hmac
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -23,6 +35,8 @@ from cagrpo_ray.sync.transport import GlooTransport, PyNcclTransport
 
 LEARNER_RANK = 0
 BACKENDS = ("gloo", "nccl")
+LOOPBACK = "127.0.0.1"
+ADMISSION_POLL_S = 0.05
 
 
 class WeightSyncError(RuntimeError):
@@ -38,6 +52,28 @@ class SyncAddress:
     world_size: int  # 1 learner rank + every generator worker rank
     backend: str  # "gloo" | "nccl"
     timeout_s: float
+    # The group's admission secret (hex), made by the learner for this group only; kept out of
+    # repr so that logs and error messages that print an address never show it.
+    secret: str = field(repr=False)
+
+
+def new_secret() -> str:
+    """A fresh admission secret for one weight-sync group: 256 random bits, hex."""
+    return secrets.token_hex(32)
+
+
+def proof(secret: str, *parts: object) -> str:
+    """HMAC-SHA256 under `secret` of the parts joined by "|" (hex): what a rank writes to show
+    that it holds the secret, bound to the group's challenge and to what it claims."""
+    message = "|".join(str(p) for p in parts).encode()
+    return hmac.new(bytes.fromhex(secret), message, hashlib.sha256).hexdigest()
+
+
+def sync_host(node_ip: str, single_node: bool) -> str:
+    """The address the learner's store listens on and the members dial: loopback when the
+    whole cluster is one node (nothing off the machine can reach the store), else the learner
+    node's IP (which every node must reach)."""
+    return LOOPBACK if single_node else node_ip
 
 
 def as_sync_address(address: SyncAddress | dict) -> SyncAddress:
@@ -78,14 +114,20 @@ def sync_device(backend: str) -> torch.device:
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
     """The learner's `TCPStore` (master, `port=0` picks a free one) or a worker's client of it.
 
-    The master does not wait for workers (`wait_for_workers=False`): it must return so that the
-    learner can go on while the workers join.
+    The master listens on `host` only: torch's own master listens on every interface, so the
+    socket is bound here and handed to it (`master_listen_fd`, which it then owns). It does
+    not wait for workers (`wait_for_workers=False`): it must return so that the learner can go
+    on while the workers join.
     """
     timeout = timedelta(seconds=timeout_s)
     if is_master:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.create_server((host, port), family=family)
+        bound_port = listener.getsockname()[1]
         return dist.TCPStore(
-            host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False
-        )
+            host, bound_port, world_size, is_master=True, timeout=timeout,
+            wait_for_workers=False, master_listen_fd=listener.detach(),
+        )  # fmt: skip
     try:
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
     except (RuntimeError, dist.DistError) as exc:
@@ -111,6 +153,115 @@ def absent_ranks(store, key: str, ranks: list[int], timeout_s: float) -> list[in
     return sorted(int(k.rsplit("/", 1)[1]) for k in missing)
 
 
+def publish_challenge(store, secret: str) -> str:
+    """Learner (rank 0): write a fresh challenge and the learner's proof over it; returns the
+    challenge."""
+    challenge = secrets.token_hex(16)
+    store.set("auth/challenge", challenge)
+    store.set("auth/learner", proof(secret, challenge, "learner"))
+    return challenge
+
+
+def present_proof(store, rank: int, secret: str, timeout_s: float, where: str) -> str:
+    """Member `rank`: check the learner's proof, then append this rank's own; returns the
+    challenge. Appended, not set, so that a stranger's entry cannot erase a member's."""
+    if missing_keys(store, ["auth/challenge", "auth/learner"], timeout_s):
+        raise WeightSyncError(
+            f"{rank_name(rank)}: the weight-sync store at {where} has no challenge from the "
+            f"learner after {timeout_s:g} s (has learner rank 0 created its WeightSender?)"
+        )
+    challenge = store.get("auth/challenge").decode()
+    learner_proof = store.get("auth/learner").decode()
+    if not hmac.compare_digest(learner_proof, proof(secret, challenge, "learner")):
+        raise WeightSyncError(
+            f"{rank_name(rank)} was refused: the weight-sync store at {where} and this rank do "
+            "not share the group's secret (an address from another run or an earlier group; "
+            "take the address the learner's current WeightSender gives)"
+        )
+    store.append(f"auth/member/{rank}", proof(secret, challenge, "member", rank) + ";")
+    return challenge
+
+
+def admit_members(store, world_size: int, secret: str, challenge: str, timeout_s: float):
+    """Learner (rank 0): admit each member rank once one of the entries under its name is its
+    proof over `challenge` (entries that are not are counted as refused), writing a proof of
+    admission for it. Raises naming the ranks that no valid proof came for within
+    `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pending, refused = set(range(1, world_size)), 0
+    while True:
+        for rank in sorted(pending):
+            entries = store.get(f"auth/member/{rank}").decode().split(";")[:-1]
+            expected = proof(secret, challenge, "member", rank)
+            if any(hmac.compare_digest(entry, expected) for entry in entries):
+                store.set(f"auth/admitted/{rank}", proof(secret, challenge, "admitted", rank))
+                pending.discard(rank)
+            else:
+                refused = max(refused, len(entries))
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise WeightSyncError(
+                f"{describe_ranks(sorted(pending))} did not prove the group's secret within "
+                f"{timeout_s:g} s ({refused} entries without it refused): whatever wrote "
+                "those ranks' keys is not this run's generator worker"
+            )
+        time.sleep(ADMISSION_POLL_S)
+
+
+def await_admission(store, rank: int, secret: str, challenge: str, timeout_s: float) -> None:
+    """Member `rank`: wait for the learner's proof that it admitted this rank."""
+    key = f"auth/admitted/{rank}"
+    if missing_keys(store, [key], timeout_s):
+        raise WeightSyncError(
+            f"learner (rank 0) did not admit {rank_name(rank)} to the weight-sync group within "
+            f"{timeout_s:g} s"
+        )
+    if not hmac.compare_digest(store.get(key).decode(), proof(secret, challenge, "admitted", rank)):
+        raise WeightSyncError(
+            f"{rank_name(rank)}: the admission in the weight-sync store is not the learner's "
+            "(it does not carry the group's secret); refusing to join"
+        )
+
+
+class SignedStore:
+    """The group's store as vLLM's `StatelessProcessGroup` sees it (the NCCL path), which
+    unpickles what it reads: a value read from a store that any client can write would run
+    that client's code. Here every value is written with HMAC-SHA256(secret, challenge|key|
+    value) in front, and one without a valid tag is refused before anything unpickles it.
+    The tag binds the key and the group's challenge, so a value cannot be moved to another key
+    or replayed into a later group. Pure Python: `StatelessProcessGroup` calls only `set`,
+    `get` and `delete_key`."""
+
+    TAG_BYTES = 32
+
+    def __init__(self, store, secret: str, challenge: str):
+        self.store = store
+        self._key = bytes.fromhex(secret)
+        self._challenge = challenge.encode()
+
+    def _tag(self, key: str, value: bytes) -> bytes:
+        message = self._challenge + b"|" + key.encode() + b"|" + value
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def set(self, key: str, value: bytes | str) -> None:
+        value = value.encode() if isinstance(value, str) else bytes(value)
+        self.store.set(key, self._tag(key, value) + value)
+
+    def get(self, key: str) -> bytes:
+        raw = self.store.get(key)
+        tag, value = raw[: self.TAG_BYTES], raw[self.TAG_BYTES :]
+        if not hmac.compare_digest(tag, self._tag(key, value)):
+            raise WeightSyncError(
+                f"weight sync: the value at {key!r} in the group's store does not carry the "
+                "group's secret (a client outside the run wrote it); refused before use"
+            )
+        return value
+
+    def delete_key(self, key: str) -> bool:
+        return self.store.delete_key(key)
+
+
 def join_group(
     store,
     rank: int,
@@ -120,9 +271,17 @@ def join_group(
     host: str,
     device_id: str | None = None,
     device: torch.device | None = None,
+    *,
+    secret: str,
 ):
     """Every rank calls this once; returns the group's transport (`GlooTransport` for "gloo",
-    `PyNcclTransport` for "nccl") after all `world_size` ranks have joined.
+    `PyNcclTransport` for "nccl") after all `world_size` ranks have joined and the learner has
+    admitted every member.
+
+    Admission: the learner publishes a challenge with its proof; each member checks that
+    proof (refusing a store that does not hold `secret`) and presents its own; after the
+    `joined/` rendezvous the learner admits each member whose proof is right, and each
+    member checks its proof of admission. Only then does any rank form the transport.
 
     `device` holds the rank's broadcast tensors (by default `sync_device(backend)` of the
     calling thread; the learner joins from a thread of its own, so it passes its device).
@@ -132,6 +291,12 @@ def join_group(
     and the GPU.
     """
     device = sync_device(backend) if device is None else device
+    if rank == LEARNER_RANK:
+        challenge = publish_challenge(store, secret)
+        for member in range(1, world_size):
+            store.append(f"auth/member/{member}", "")  # exists, so admission can read it
+    else:
+        challenge = present_proof(store, rank, secret, timeout_s, f"{host}:{store.port}")
     store.set(f"device/{rank}", device_id or local_device_id(device))
     store.set(f"joined/{rank}", "1")
     ranks = absent_ranks(store, "joined", list(range(world_size)), timeout_s)
@@ -140,6 +305,10 @@ def join_group(
             f"{describe_ranks(ranks)} did not join the weight-sync group ({backend}, "
             f"world size {world_size}) within {timeout_s:g} s"
         )
+    if rank == LEARNER_RANK:
+        admit_members(store, world_size, secret, challenge, timeout_s)
+    else:
+        await_admission(store, rank, secret, challenge, timeout_s)
     shared = shared_devices({r: store.get(f"device/{r}").decode() for r in range(world_size)})
     if shared:
         gpu, ranks = next(iter(shared.items()))
@@ -156,7 +325,9 @@ def join_group(
     # generator worker (see `transport.py`). PyNccl has no watchdog; our waits bound each
     # broadcast, and an abort costs only this group.
     try:
-        return PyNcclTransport(group_store, rank, world_size, device)
+        return PyNcclTransport(
+            SignedStore(group_store, secret, challenge), rank, world_size, device
+        )
     except (RuntimeError, dist.DistError) as exc:
         raise WeightSyncError(
             f"{rank_name(rank)} could not form the weight-sync NCCL communicator (world size "

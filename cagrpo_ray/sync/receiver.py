@@ -49,8 +49,9 @@ class WeightReceiver:
         )
         self._device = sync_device(address.backend)
         self._group = join_group(
-            self._store, rank, world_size, address.backend, timeout_s, host, device_id, self._device
-        )
+            self._store, rank, world_size, address.backend, timeout_s, host, device_id,
+            self._device, secret=address.secret,
+        )  # fmt: skip
         self._buffers = BufferPool(self._device)
 
     def receive(self, version: int, load: LoadWeights) -> SyncStats:

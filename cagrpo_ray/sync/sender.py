@@ -31,6 +31,7 @@ from cagrpo_ray.sync.group import (
     absent_ranks,
     describe_ranks,
     join_group,
+    new_secret,
     open_store,
     resolve_backend,
     start_broadcast,
@@ -60,6 +61,10 @@ class WeightSender:
     `world_size` counts this rank and every generator worker rank. Every wait is bounded by
     `timeout_s` and fails with a `WeightSyncError` naming the rank that did not come. A failure
     inside a broadcast leaves the group unusable: close the sender and build a new group.
+
+    The store listens on `host` only, and admits only members that prove they hold this
+    group's secret (made here, fresh for every sender; it travels in `.address`, so hand the
+    address to the generators only through the run's own Ray calls).
     """
 
     def __init__(
@@ -79,13 +84,14 @@ class WeightSender:
         self.backend = resolve_backend(backend)
         self.timeout_s = timeout_s
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self._secret = new_secret()
         self._store = open_store(host, port, world_size, is_master=True, timeout_s=timeout_s)
         self.port = self._store.port
         self._device = sync_device(self.backend)
         self._joiner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-join")
         self._group_future = self._joiner.submit(
             join_group, self._store, LEARNER_RANK, world_size, self.backend, timeout_s, host,
-            device_id, self._device,
+            device_id, self._device, secret=self._secret,
         )  # fmt: skip
         self._buffers = [torch.empty(0, dtype=torch.uint8, device=self._device) for _ in range(2)]
         self._broken: str | None = None
@@ -94,7 +100,9 @@ class WeightSender:
 
     @property
     def address(self) -> SyncAddress:
-        return SyncAddress(self.host, self.port, self.world_size, self.backend, self.timeout_s)
+        return SyncAddress(
+            self.host, self.port, self.world_size, self.backend, self.timeout_s, self._secret
+        )
 
     def wait_joined(self) -> None:
         """Block until every generator worker has joined; raise naming those that did not."""
