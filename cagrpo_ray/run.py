@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from cagrpo_ray.placement import PlacementError
     from cagrpo_ray.plan import PlanError
     from cagrpo_ray.policies.build import PolicyPathError
-    from cagrpo_ray.scheduler import DynamicSamplingError
+    from cagrpo_ray.schedule import DynamicSamplingError
     from cagrpo_ray.trainer import Trainer, required_cpus
 
     address = os.environ.get("RAY_ADDRESS")
