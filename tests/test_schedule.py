@@ -19,6 +19,8 @@ with s = 0 the batches are those of the strictly sequential loop.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -61,6 +63,15 @@ def scored(schedule: Schedule, chunk: PromptChunk, version: int) -> None:
 
 def batch_groups(batch) -> list[int]:
     return batch.table.column("group_id").to_pylist()[::GROUP]
+
+
+def test_the_schedule_imports_no_ray_vllm_or_deepspeed():
+    code = (
+        "import sys, cagrpo_ray.schedule; "
+        "print(sorted(m for m in ('ray', 'vllm', 'deepspeed') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # ------------------------------------------------------------------------ scripted orders
