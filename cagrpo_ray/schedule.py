@@ -29,8 +29,11 @@ where g is the version the replica will sample with, t the version that will tra
 next batch taken from the buffer (`step`, plus one while a step is running), and
 `outstanding` counts groups buffered or in flight (generating or being scored). So data that
 would be too stale is never generated, and s = 0 is the synchronous schedule. Groups that
-exceed the bound anyway (work requeued after a generator crash, a resumed buffer) are dropped
-when a batch is taken (`min_version = step - s`) and counted (`dropped_stale`).
+exceed the bound anyway are dropped when a batch is taken (`min_version = step - s`) and
+counted (`dropped_stale`): work requeued after a generator crash, a resumed buffer, and, with
+s >= 1, a group overtaken: a batch takes the groups that arrived first, so one started after
+a slow group can be trained before it, and the slow one may then be too old
+(tests/test_schedule.py, `test_a_group_overtaken_is_dropped`).
 
 Prompts and groups. Every new group takes the next prompt of the data cursor (which starts
 the source again at its end: a new epoch in the same order) and the next group id, so group g
