@@ -40,8 +40,9 @@ the source again at its end: a new epoch in the same order) and the next group i
 holds prompt g mod N. A chunk lost on the way (its replica died, or it was in flight at a
 checkpoint) is started again before any new prompt, under its own group ids (`Requeue`), so
 with its own seeds: a seed is fixed by the group's place (step = g // P, index in the step).
-Batches are taken in the order their groups were started (by group id), so a run does not
-depend on which replica finished first, and s = 0 trains the batches of a sequential loop.
+A batch's groups are put in the order they were started (by group id), so the learner's batch
+does not depend on which replica finished first; with s = 0 each batch holds exactly the groups
+started for its step, so a run trains the batches of a sequential loop.
 
 Storage. Scored groups are kept as Arrow record batches in a `RolloutBuffer`, whose rows carry
 each response's policy version; the schedule reads a group's id and oldest version from them,
