@@ -42,7 +42,9 @@ checkpoint) is started again before any new prompt, under its own group ids (`Re
 with its own seeds: a seed is fixed by the group's place (step = g // P, index in the step).
 A batch's groups are put in the order they were started (by group id), so the learner's batch
 does not depend on which replica finished first; with s = 0 each batch holds exactly the groups
-started for its step, so a run trains the batches of a sequential loop.
+started for its step, so a run trains the batches of a sequential loop (but for dynamic
+sampling, which starts more groups than a step needs and takes the kept ones that arrive
+first).
 
 Storage. Scored groups are kept as Arrow record batches in a `RolloutBuffer`, whose rows carry
 each response's policy version; the schedule reads a group's id and oldest version from them,
