@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from cagrpo_ray.placement import PlacementError
     from cagrpo_ray.plan import PlanError
     from cagrpo_ray.policies.build import PolicyPathError
-    from cagrpo_ray.scheduler import DynamicSamplingError
+    from cagrpo_ray.schedule import DynamicSamplingError
 
     bad_input = PromptFileError | PolicyPathError | PlacementError | PlanError | TrackerError
     if isinstance(error, bad_input):

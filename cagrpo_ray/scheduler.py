@@ -1,39 +1,25 @@
-"""One scheduler for every schedule: generation, scoring, training and weight sync, overlapped
-as far as a staleness bound allows.
+"""The Ray loop that runs the schedule: generation, scoring, training and weight sync,
+overlapped as far as the staleness bound allows.
 
-The driver is one event loop over Ray object refs. Chunks of prompts go to the generator
-replicas as long as the bound admits more, many per replica at once (each replica's engine
-batches every request it holds); a finished chunk goes to the reward pool; a scored group goes
-into the rollout buffer with its advantages; as soon as the buffer holds a batch, the learner
-trains on it while generation goes on; when the learner step ends, the new weights are
-broadcast, and each replica loads them between requests (it lets the requests in flight finish
-and takes no new one until it has loaded, so no request is ever cut in half):
+What is generated and trained, and when, is decided by `cagrpo_ray.schedule.Schedule` (a plain
+state machine: the admission rule, requeues, the data cursor, versions, stale groups, batch
+order). This module only feeds it: one event loop over Ray object refs, which hands chunks of
+prompts to the generator replicas as the schedule admits them, many per replica at once (each
+replica's engine batches every request it holds); sends a finished chunk to the reward pool;
+scores it (`rollout/scoring.py`) and reports the groups to the schedule; trains the learners on
+the batch the schedule gives while generation goes on; and, when the learner step ends,
+broadcasts the new weights, which each replica loads between requests (it lets the requests in
+flight finish and takes no new one until it has loaded, so no request is ever cut in half):
 
     generator 0  |== chunk ==|== chunk ==|rw|== chunk ==|== chunk ==|rw| ...
     generator 1  |== chunk ==|== chunk ==|== chunk ==|rw|== chunk ==| ...
     reward pool        |s|         |s|       |s|           |s|
     learner      |------ train v ------|send|------ train v+1 ------|send| ...
 
-Bounded staleness. A sample's staleness is the learner version that trains on it minus the
-version that sampled it. With P prompts per step and bound s, a chunk is only *started* when
-
-    outstanding + chunk <= (g + s + 1 - t) * P                                        (1)
-
-where g is the version the replica will sample with, t the version that will train on the
-next batch taken from the buffer (the learner's version, plus one while a step is running),
-and `outstanding` counts groups buffered or in flight. So data that would be too stale is
-never generated, and s = 0 is the synchronous schedule (generate a batch, score it, train,
-sync, repeat: on-policy, the generators idle while the learner trains). Groups that exceed the
-bound anyway (work requeued after a generator crash, a resumed buffer) are dropped by the
-buffer when the batch is taken and counted in `buffer/dropped_stale_groups`.
-
-Batches are taken in the order their groups were started, with seeds fixed by each group's
-position (step, index in the step), so a run's samples do not depend on which replica finished
-first, and s = 0 trains on exactly the batches of a strictly sequential loop.
-
-Off-policy correction is the learner's (`algo/off_policy.py`): the PPO ratio is taken against
-the proximal policy recomputed by the learner, and the behavior-to-proximal importance weight
-is truncated at `algorithm.tis_cap`.
+The bound and its inequality (1) are the schedule's docstring. Off-policy correction is the
+learner's (`algo/off_policy.py`): the PPO ratio is taken against the proximal policy recomputed
+by the learner, and the behavior-to-proximal importance weight is truncated at
+`algorithm.tis_cap`.
 """
 
 from __future__ import annotations
@@ -49,35 +35,26 @@ from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
-from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
+from cagrpo_ray.rollout.buffer import group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
-from cagrpo_ray.rollout.requeue import PromptChunk, Requeue
 from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
+from cagrpo_ray.schedule import ChunkStart, Schedule, ScheduleSettings
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 from cagrpo_ray.types import SamplingConfig
 
 log = logging.getLogger("cagrpo_ray")
 
 
-class DynamicSamplingError(RuntimeError):
-    """Dynamic sampling found too few groups with a signal within its bound."""
-
-
-def admissible_groups(
-    gen_version: int,
-    train_version: int,
-    outstanding: int,
-    prompts_per_step: int,
-    max_staleness: int,
-) -> int:
-    """How many more prompt groups may be started now under bound (1) of the module docstring."""
-    budget = (gen_version + max_staleness + 1 - train_version) * prompts_per_step
-    return max(0, budget - outstanding)
-
-
-def step_seed(config: Config, step: int) -> int:
-    """The sampling seed of learner step `step`'s prompts (each chunk derives its own)."""
-    return config.run.seed * 1_000_003 + step
+def sampling_config(rollout, n: int, temperature: float, seed: int) -> SamplingConfig:
+    """`n` samples a prompt at `temperature` with `seed`, under the config's `rollout` limits."""
+    return SamplingConfig(
+        n=n,
+        temperature=temperature,
+        top_p=rollout.top_p,
+        top_k=rollout.top_k,
+        max_tokens=rollout.max_tokens,
+        seed=seed,
+    )
 
 
 def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> float:
@@ -88,11 +65,12 @@ def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> fl
 
 
 class Scheduler:
-    """The training loop of one run: `step()` is one learner step; state is checkpointable.
+    """The training loop of one run: `train_step()` is one learner step; `save`/`load` keep
+    its state in a checkpoint directory.
 
     The roles are built by the caller (`Trainer`): the generator `pool`, the `reward_pool`
-    actor, the `learners`, the weight-sync `coordinator`, the rollout `buffer`; `wait(refs,
-    what)` is a `ray.get` that logs long waits.
+    actor, the `learners`, the weight-sync `coordinator`; `wait(refs, what)` is a `ray.get`
+    that logs long waits. The schedule (`self.schedule`) is built here from the config.
     """
 
     def __init__(
@@ -104,23 +82,17 @@ class Scheduler:
         reward_pool,
         learners,
         coordinator: WeightSyncCoordinator,
-        buffer: RolloutBuffer,
         wait,
         inspect_dir=None,
     ):
         self.config = config
         self.tokenizer, self.train_source = tokenizer, train_source
         self.pool, self.reward_pool, self.learners = pool, reward_pool, learners
-        self.coordinator, self.buffer = coordinator, buffer
+        self.coordinator = coordinator
         self._wait = wait
         self.inspect_dir = inspect_dir  # the run directory when steps are inspected
-        self.max_staleness = config.run.max_staleness
         self.instruction = prompt_preamble(config.data)
-        self.step = 0
-        self.policy_version = 0
-        self.cursor = 0  # index of the next new training prompt
-        self.requeue = Requeue()  # lost chunks, generated again before new prompts
-        self.next_group_id = 0
+        self.schedule = Schedule(ScheduleSettings.from_config(config, len(train_source)))
         self.reward_refs: dict = {}  # ObjectRef -> (PromptChunk, completions per prompt)
         self.learn_refs: list = []
         self.tokens_generated = 0.0
@@ -128,8 +100,6 @@ class Scheduler:
         self.unparsed = 0  # scored responses in which the task verifier found no answer
         self.scored_responses = 0
         self.spanning_loads = 0  # responses generated across a weight load (in-flight mode)
-        self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
-        self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
         a = config.algorithm
         self.kappa_controller = (
@@ -138,61 +108,46 @@ class Scheduler:
             else None
         )
 
+    @property
+    def step(self) -> int:
+        """Learner steps trained: the learner's policy version."""
+        return self.schedule.step
+
     # ------------------------------------------------------------------- state
 
-    def state(self) -> dict:
-        """What a checkpoint needs to continue; prompts started but not yet buffered go
-        first after a resume."""
-        pending = list(self.pool.in_flight_tags())
-        pending += [chunk for chunk, _ in self.reward_refs.values()]
-        return {
-            "step": self.step,
-            "cursor": self.cursor,
-            "policy_version": self.policy_version,
-            "requeue": self.requeue.state(pending),
-            "next_group_id": self.next_group_id,
-            "kappa_controller": self.kappa_controller and self.kappa_controller.state(),
-        }
+    def save(self, directory) -> None:
+        """The schedule's state, the buffered groups and the kappa controller's state, into
+        the checkpoint `directory` (taken with the learner idle)."""
+        control = self.kappa_controller
+        self.schedule.save(directory, {"kappa_controller": control and control.state()})
 
-    def restore(self, state: dict) -> None:
-        self.step, self.cursor = state["step"], state["cursor"]
-        self.policy_version = state["policy_version"]
-        next_id = state.get("next_group_id", self.step * self.config.rollout.prompts_per_step)
-        self.requeue, self.next_group_id = Requeue.from_state(state.get("requeue", []), next_id)
-        if self.kappa_controller is not None and state.get("kappa_controller"):
+    def load(self, directory) -> None:
+        """Continue from what `save` wrote into `directory`."""
+        state = self.schedule.load(directory)
+        if self.kappa_controller is not None:
             self.kappa_controller = KappaController.from_state(state["kappa_controller"])
 
     def start(self) -> None:
         """Form the weight-sync group and serve the learner's weights from the first step."""
         self.coordinator.build_group()
-        self.coordinator.sync(self.policy_version)
+        self.coordinator.sync(self.step)
 
     # ------------------------------------------------------------------- the loop
 
     def train_step(self) -> dict:
         """One learner step: wait for a batch within the bound, train on it, start the sync."""
-        cfg = self.config
-        P = cfg.rollout.prompts_per_step
+        cfg, schedule = self.config, self.schedule
         t_start = time.perf_counter()
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
-        errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
+        errors_before, dropped_before = self.verifier_errors, schedule.dropped_stale
         unparsed_before, responses_before = self.unparsed, self.scored_responses
         spanning_before = self.spanning_loads
-        filtered_before, penalized_before = self.filtered_groups, self.overlong_penalized
+        filtered_before, penalized_before = schedule.filtered_groups, self.overlong_penalized
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
-        min_version = self.policy_version - self.max_staleness
-        while True:
-            self.buffer.drop_stale(min_version)
-            if len(self.buffer) >= P:
-                break
-            self._check_dynamic_sampling()
+        while (taken := schedule.take_batch()) is None:
             self._pump()
-        # Groups arrive in completion order; the learner sees them in the order they were
-        # started, so the batch does not depend on which replica finished first.
-        table = self.buffer.take(P, min_version=min_version).sort_by("group_id")
-        # groups already kept for the next batch count toward it
-        scored, self.scored_since_batch = self.scored_since_batch, len(self.buffer)
+        table = taken.table
         t_batch = time.perf_counter()
 
         # (2) Train on it; the learner runs its pending weight send first (actor order).
@@ -200,21 +155,21 @@ class Scheduler:
         if cfg.algorithm.overlong == "mask":  # truncated responses carry no loss
             truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
             batch["response_mask"][torch.from_numpy(truncated)] = False
-        staleness = self.policy_version - batch["policy_version"]
+        staleness = schedule.step - batch["policy_version"]
         inspect = self._groups_to_inspect(batch)
         control = self.kappa_controller
         options = {"cagrpo_kappa": control.kappa} if control is not None else None
         self.learn_refs = self.learners.submit_train_step(batch, inspect, options)
+        schedule.step_started()
         while self._pending(self.learn_refs):
             self._pump(wait_on=self.learn_refs)
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
+        schedule.step_trained()
         if control is not None:  # this step's kappa, then the next step's from its entropy
             learner_metrics["cagrpo/kappa"] = options["cagrpo_kappa"]
             control.update(learner_metrics["entropy/mean"])
         t_trained = time.perf_counter()
-        self.step += 1
-        self.policy_version = self.step
         if inspect:
             kept = self.learners.inspection()
             meta = {"step": self.step, "policy_loss": cfg.algorithm.policy_loss,
@@ -224,10 +179,10 @@ class Scheduler:
         # (3) Broadcast the new weights; replicas load them between requests.
         self.coordinator.finish()  # the previous broadcast (normally long done)
         sync_metrics = dict(self.coordinator.last)
-        if self.pool.needs_weights:
-            self._resync()  # a replica restarted or a broadcast failed
+        if schedule.resync_due(bool(self.pool.needs_weights)):
+            self.resync()  # a replica restarted or a broadcast failed
         else:
-            self.coordinator.start(self.policy_version)
+            self.coordinator.start(self.step)
         self._dispatch()
         step_time = time.perf_counter() - t_start
 
@@ -253,19 +208,19 @@ class Scheduler:
                 "throughput/generated_tokens_per_s": generated / step_time,
                 "throughput/trained_tokens_per_s": trained_tokens / max(t_trained - t_batch, 1e-9),
                 "throughput/samples_per_s": len(batch["rewards"]) / step_time,
-                "buffer/depth_groups": len(self.buffer),
-                "buffer/dropped_stale_groups": self.buffer.dropped_stale,
-                "buffer/dropped_this_step": self.buffer.dropped_stale - dropped_before,
-                "dynamic_sampling/filtered_groups": self.filtered_groups - filtered_before,
-                "dynamic_sampling/scored_groups": scored,
+                "buffer/depth_groups": schedule.buffered,
+                "buffer/dropped_stale_groups": schedule.dropped_stale,
+                "buffer/dropped_this_step": schedule.dropped_stale - dropped_before,
+                "dynamic_sampling/filtered_groups": schedule.filtered_groups - filtered_before,
+                "dynamic_sampling/scored_groups": taken.scored_groups,
                 "reward/overlong_penalized": self.overlong_penalized - penalized_before,
                 "staleness/mean": float(staleness.float().mean()),
                 "staleness/max": int(staleness.max()),
                 "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
                 "generators/idle_fraction": idle_fraction(busy, self.pool.num_replicas, step_time),
-                "policy_version": self.policy_version,
-                "data/cursor": self.cursor,
+                "policy_version": self.step,
+                "data/cursor": schedule.cursor,
                 "tokens/generated": generated,
             }
         )
@@ -282,76 +237,29 @@ class Scheduler:
             return None
         return groups_to_inspect(batch["group_ids"].numpy(), m.inspect_groups, self.step + 1)
 
-    def _outstanding(self) -> int:
-        """Groups not yet taken by the learner: buffered, being scored, being generated."""
-        in_flight = sum(len(tag.indices) for tag in self.pool.in_flight_tags())
-        scoring = sum(len(chunk.indices) for chunk, _ in self.reward_refs.values())
-        return len(self.buffer) + in_flight + scoring
-
     def _dispatch(self) -> None:
-        """Give every idle replica a chunk, as far as the staleness bound (1) admits."""
-        cfg = self.config
-        if self.pool.needs_weights and not self.learn_refs:
-            self._resync()  # only while the learner is idle: its weights are policy_version
-        train_version = self.policy_version + (1 if self.learn_refs else 0)
-        while True:
-            outstanding = self._outstanding()
-            # nothing past the run's last step: that would be generated and never trained
-            needed = (cfg.run.steps - train_version) * cfg.rollout.prompts_per_step - outstanding
-            count = min(cfg.rollout.chunk_prompts, needed)
-            replicas = self.pool.available_replicas(count) if count > 0 else []
+        """Give replicas chunks, as far as the schedule admits them."""
+        if self.schedule.resync_due(bool(self.pool.needs_weights)):
+            self.resync()
+        while (count := self.schedule.prompts_wanted()) > 0:
+            replicas = self.pool.available_replicas(count)
             if not replicas:
                 return
             replica = replicas[0]  # the least loaded
-            room = admissible_groups(
-                self.pool.version(replica),
-                train_version,
-                outstanding,
-                cfg.rollout.prompts_per_step,
-                self.max_staleness,
-            )
-            count = min(count, room)
-            if count <= 0:
+            start = self.schedule.start_chunk(count, self.pool.version(replica))
+            if start is None:
                 return
-            self._submit(replica, count)
+            self._submit(replica, start)
 
-    def _submit(self, replica: int, count: int) -> None:
-        """Start the next `count` prompt groups on `replica`."""
-        cfg = self.config
-        if self.requeue:  # a lost chunk first, under its own group ids: its own seeds
-            chunk = self.requeue.take(count)
-            indices, group_ids = chunk.indices, chunk.group_ids
-        else:
-            indices = tuple(self._next_index() for _ in range(count))
-            group_ids = tuple(range(self.next_group_id, self.next_group_id + count))
-            self.next_group_id += count
+    def _submit(self, replica: int, start: ChunkStart) -> None:
+        """Send the chunk the schedule started to `replica`, with its seeds."""
+        r = self.config.rollout
         prompts = [
             format_prompt(self.tokenizer, self.train_source[i].question, self.instruction)
-            for i in indices
+            for i in start.chunk.indices
         ]
-        # Seeds fixed by each group's place (step, index in the step), not by timing.
-        step, start = divmod(group_ids[0], cfg.rollout.prompts_per_step)
-        base = self.sampling(cfg.rollout.group_size, cfg.rollout.temperature, step_seed(cfg, step))
-        sampling = chunk_sampling(base, start)
-        self.pool.submit(replica, prompts, sampling, PromptChunk(indices, group_ids))
-
-    def sampling(self, n: int, temperature: float, seed: int) -> SamplingConfig:
-        r = self.config.rollout
-        return SamplingConfig(
-            n=n,
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_tokens=r.max_tokens,
-            seed=seed,
-        )
-
-    def _next_index(self) -> int:
-        if self.cursor >= len(self.train_source):
-            self.cursor = 0  # a new epoch over the same prompts, in the same order
-        index = self.cursor
-        self.cursor += 1
-        return index
+        base = sampling_config(r, r.group_size, r.temperature, start.seed)
+        self.pool.submit(replica, prompts, chunk_sampling(base, start.place), start.chunk)
 
     def _pump(self, wait_on: list | None = None) -> None:
         """Dispatch work, then handle whatever finishes first (or `wait_on`'s refs)."""
@@ -398,9 +306,9 @@ class Scheduler:
 
     def _handle_finished(self, finished) -> None:
         """A chunk came back: score it, or requeue its prompts if its replica was lost."""
-        chunk: PromptChunk = finished.chunk.tag
+        chunk = finished.chunk.tag
         if finished.lost:
-            self.requeue.push(chunk)
+            self.schedule.chunk_lost(chunk)
             return
         items = [self.train_source[i] for i in chunk.indices]
         groups = finished.groups
@@ -411,6 +319,8 @@ class Scheduler:
         self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample)] = (chunk, groups)
 
     def _on_scored(self, ref) -> None:
+        """A chunk's verdicts came back: shape, estimate advantages, filter, and hand its
+        groups (as record batches; None for a filtered one) to the schedule."""
         chunk, groups = self.reward_refs.pop(ref)
         results = self._wait([ref], "verifiers")[0]
         g = self.config.rollout.group_size
@@ -422,15 +332,15 @@ class Scheduler:
             results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens
         )
         self.overlong_penalized += scored.penalized
+        records = []
         for k, (index, group_id, group) in enumerate(
             zip(chunk.indices, chunk.group_ids, groups, strict=True)
         ):
-            self.scored_since_batch += 1
-            if not scored.keep[k]:
-                self.filtered_groups += 1  # all rewards equal: no signal (dynamic sampling)
+            if not scored.keep[k]:  # all rewards equal: no signal (dynamic sampling)
+                records.append(None)
                 continue
             sl = slice(k * g, (k + 1) * g)
-            self.buffer.add(
+            records.append(
                 group_record_batch(
                     self.train_source[index].uid,
                     group_id,
@@ -440,31 +350,21 @@ class Scheduler:
                     scored.advantages[sl].tolist(),
                 )
             )
+        self.schedule.chunk_scored(chunk, records)
 
-    def _check_dynamic_sampling(self) -> None:
-        """Stop, rather than generate forever, when too few groups carry a signal."""
-        a, P = self.config.algorithm, self.config.rollout.prompts_per_step
-        if a.dynamic_sampling and self.scored_since_batch >= a.max_gen_batches * P:
-            raise DynamicSamplingError(
-                f"dynamic sampling: {self.scored_since_batch} groups were scored for learner "
-                f"step {self.step + 1} and only {len(self.buffer)} of the {P} needed had "
-                f"rewards that differ (algorithm.max_gen_batches is {a.max_gen_batches}); the "
-                "task gives (nearly) every group equal rewards: make it harder or easier, or "
-                "turn algorithm.dynamic_sampling off"
-            )
-
-    def _resync(self) -> None:
-        """Bring every replica to `policy_version` (learner idle): finish what is generating
-        (results are kept), then rebuild the sync group and load the weights."""
+    def resync(self) -> None:
+        """Bring every replica to the learner's version (learner idle): finish what is
+        generating (results are kept), then rebuild the sync group and load the weights."""
         self.coordinator.finish()
         for finished in self.pool.drain():
             self._handle_finished(finished)
-        self.coordinator.resync(self.policy_version)
+        self.coordinator.resync(self.step)
 
     # ------------------------------------------------------------- run boundaries
 
     def finish_rollouts(self) -> None:
-        """Generation and scoring in flight land in the buffer; the last sync completes."""
+        """Generation and scoring in flight land in the buffer; the last sync completes. After
+        it nothing of the run is in flight: the pool may serve other requests (evaluation)."""
         while self.pool.in_flight() or self.reward_refs:
             refs = self.pool.in_flight() + list(self.reward_refs)
             done, _ = ray.wait(refs, num_returns=1)
@@ -473,12 +373,6 @@ class Scheduler:
             else:
                 self._on_scored(done[0])
         self.coordinator.finish()
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingConfig):
-        """Blocking generation over every replica (for evaluation), after what is in flight
-        has landed; a replica that needs weights is resynced first."""
-        self.finish_rollouts()
-        return self.pool.generate(prompts, sampling, resync=self._resync)
 
     @staticmethod
     def _pending(refs: list) -> list:

@@ -7,9 +7,9 @@ far generation runs ahead of training; 0 is the synchronous schedule):
     prompts ─> GeneratorPool (G samples each) ─> reward pool ─> RolloutBuffer
             ─> LearnerGroup.train_step ─> WeightSyncCoordinator (learner rank 0 ─> replicas)
 
-A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state, scheduler
-state: step, data cursor, policy version, prompts in flight; buffered rollouts; the policy as
-a Hugging Face directory), `policy/` (the final policy, loadable by transformers, vLLM and
+A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state; the
+schedule's state: step, data cursor, prompts in flight, and its buffered rollouts; the policy
+as a Hugging Face directory), `policy/` (the final policy, loadable by transformers, vLLM and
 `python -m cagrpo_ray.eval --model`), end-of-run plots and `summary.json` (with the step-0
 evaluation, kept in `eval_before.json` for a run that resumes).
 """
@@ -37,16 +37,14 @@ from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.metrics.trackers import Trackers
 from cagrpo_ray.placement import Placement
-from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.scheduler import Scheduler
+from cagrpo_ray.scheduler import Scheduler, sampling_config
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
 
-STATE_FILE = "trainer_state.json"
 POLICY_DIR = "policy"
 EVAL_BEFORE_FILE = "eval_before.json"  # the step-0 evaluation, for the summary of a resumed run
 EVAL_SEED = 12345
@@ -225,7 +223,7 @@ class Trainer:
         inspect = self.run_dir if cfg.metrics.inspect_every else None
         self.scheduler = Scheduler(
             cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
-            self.learners, coordinator, RolloutBuffer(), self._wait, inspect_dir=inspect,
+            self.learners, coordinator, self._wait, inspect_dir=inspect,
         )  # fmt: skip
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
@@ -314,11 +312,12 @@ class Trainer:
 
         cfg = self.config
         reward_fn = _RemoteRewardFunction(self.reward_pool)
+        engine = _PoolEngine(self.pool, self.scheduler)
 
         def at(items, temperature: float, details: bool) -> dict:
             samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
-            sampling = self.scheduler.sampling(samples, temperature, seed=EVAL_SEED)
-            return evaluate(self.scheduler, self.tokenizer, items, reward_fn, samples, sampling,
+            sampling = sampling_config(cfg.rollout, samples, temperature, seed=EVAL_SEED)
+            return evaluate(engine, self.tokenizer, items, reward_fn, samples, sampling,
                             instruction=prompt_preamble(cfg.data), details=details,
                             extract_answer=answer_extractor(cfg.reward.weights),
                             multi_turn=cfg.rollout.max_turns > 1)  # fmt: skip
@@ -413,12 +412,10 @@ class Trainer:
         # Written aside and published whole (`checkpoints.py`): a crash mid-write never
         # leaves a partial checkpoint as the latest.
         with write_checkpoint(self.ckpt_root, name, self.config.run.keep_checkpoints) as path:
-            state = self.scheduler.state()
-            self.learners.save_checkpoint(str(path / "learner"), state)
+            self.learners.save_checkpoint(str(path / "learner"))
             if self.config.run.save_policy == "checkpoints":
                 self.learners.save_hf(str(path / POLICY_DIR))
-            self.scheduler.buffer.dump_parquet(path / "buffer.parquet")
-            (path / STATE_FILE).write_text(json.dumps(state))
+            self.scheduler.save(path)
         path = self.ckpt_root / name
         self.checkpointed_step = self.step
         log.info("checkpoint %s", path)
@@ -429,14 +426,10 @@ class Trainer:
         if path is None:
             log.info("no checkpoint under %s; starting from step 0", self.ckpt_root)
             return
-        state = json.loads((path / STATE_FILE).read_text())
         self.learners.load_checkpoint(str(path / "learner"))
-        import pyarrow.parquet as pq
-
-        self.scheduler.buffer.load_table(pq.read_table(path / "buffer.parquet"))
-        self.scheduler.restore(state)
+        self.scheduler.load(path)
         self.checkpointed_step = self.step
-        log.info("resumed from %s (step %d, data cursor %d)", path, self.step, state["cursor"])
+        log.info("resumed from %s (step %d)", path, self.step)
 
     # --------------------------------------------------------------------- plumbing
 
@@ -465,6 +458,19 @@ class Trainer:
                     len(refs),
                 )
         return ray.get(refs)
+
+
+class _PoolEngine:
+    """The generator pool as the evaluation harness's engine, between training steps: what
+    the run has in flight lands first, and a replica that needs weights is resynced by the
+    scheduler (which knows the learner's version) before it serves."""
+
+    def __init__(self, pool: GeneratorPool, scheduler: Scheduler):
+        self.pool, self.scheduler = pool, scheduler
+
+    def generate(self, prompts: list[list[int]], sampling):
+        self.scheduler.finish_rollouts()
+        return self.pool.generate(prompts, sampling, resync=self.scheduler.resync)
 
 
 class _RemoteRewardFunction:

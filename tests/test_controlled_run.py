@@ -2,9 +2,9 @@
 controller, evaluated at several temperatures and on a harder held-out split.
 
 The kappa every step trained with (metric cagrpo/kappa) must be the controller's rule replayed
-on the entropies the learner logged; the checkpoint must carry the controller's state, and a
-scheduler restored from it must continue with the same kappa. Evaluation must report greedy and
-T=0.7 results and the harder split's, whose prompts have more terms than any training prompt.
+on the entropies the learner logged; the checkpoint must carry the controller's state, and the
+schedule restored from it continues at its step. Evaluation must report greedy and T=0.7
+results and the harder split's, whose prompts have more terms than any training prompt.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from short_run import CONFIG, EVAL_SIZE, HARD_SIZE, KAPPA_BAND, KAPPA_RATE, STEP
 from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.scheduler import Scheduler
-from cagrpo_ray.trainer import STATE_FILE, Trainer
+from cagrpo_ray.schedule import STATE_FILE, Schedule, ScheduleSettings
+from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -43,12 +43,12 @@ def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
         replay.update(record["entropy/mean"])
     assert len({r["cagrpo/kappa"] for r in records}) > 1  # the narrow band made it move
 
-    # the final checkpoint carries the controller; a restored scheduler continues with it
-    state = json.loads((trainer.ckpt_root / f"step_{STEPS:06d}" / STATE_FILE).read_text())
+    # the final checkpoint carries the controller; a schedule restored from it continues
+    checkpoint = trainer.ckpt_root / f"step_{STEPS:06d}"
+    state = json.loads((checkpoint / STATE_FILE).read_text())
     assert KappaController.from_state(state["kappa_controller"]).state() == replay.state()
-    restored = Scheduler(config, *[None] * 8)
-    restored.restore(state)
-    assert restored.kappa_controller.state() == replay.state()
+    restored = Schedule(ScheduleSettings.from_config(config, config.data.train_size))
+    assert restored.load(checkpoint) == state and restored.step == STEPS
 
 
 def test_evaluation_at_each_temperature_and_on_the_harder_split(controlled_run):

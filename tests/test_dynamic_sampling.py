@@ -10,7 +10,7 @@ from short_run import PROMPTS, STEPS
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.scheduler import DynamicSamplingError
+from cagrpo_ray.schedule import DynamicSamplingError
 from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]

@@ -20,6 +20,9 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cagrpo_ray"
 
+# `from cagrpo_ray import train`: the root package's one import, made when `train` is called.
+ROOT_MAY_IMPORT = {"cagrpo_ray.api"}
+
 # Lowest first. Each layer may import its own and the layers before it.
 LAYERS: list[tuple[str, set[str]]] = [
     # the paper in code: pure torch, imports nothing of the package
@@ -39,10 +42,11 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("roles", {"rollout", "learner", "sync"}),
     # tools composed of roles: evaluation, the memory planner
     ("tools", {"eval", "plan"}),
-    # the driver: the schedule's loop and the trainer that composes a run
-    ("driver", {"scheduler", "trainer"}),
-    # the entry point
-    ("entry", {"run"}),
+    # the driver: the schedule (a plain state machine), the Ray loop that feeds it, and the
+    # trainer that composes a run
+    ("driver", {"schedule", "scheduler", "trainer"}),
+    # the entry points: the command line and the Python API
+    ("entry", {"run", "api"}),
 ]
 
 
@@ -142,7 +146,11 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     for node, edges in sorted(graph.items()):
         here = package_of(node)
         if here == "cagrpo_ray":  # the root `__init__`: runs before every module of the package
-            found += [f"{node} -> {e} (the root package imports nothing)" for e in sorted(edges)]
+            # ... so it imports nothing, except the Python API that its `train` loads lazily
+            found += [
+                f"{node} -> {e} (the root package imports nothing but the API, lazily)"
+                for e in sorted(edges - ROOT_MAY_IMPORT)
+            ]
             continue
         if here not in layer_of:
             found.append(f"{node}: package {here!r} has no layer in LAYERS")
@@ -206,7 +214,7 @@ def test_an_upward_import_is_found():
         "cagrpo_ray": {"cagrpo_ray.run"},
     }
     assert upward_imports(graph) == [
-        "cagrpo_ray -> cagrpo_ray.run (the root package imports nothing)",
+        "cagrpo_ray -> cagrpo_ray.run (the root package imports nothing but the API, lazily)",
         "cagrpo_ray.newpart: package 'newpart' has no layer in LAYERS",
         "cagrpo_ray.rollout.pool -> cagrpo_ray.scheduler (roles imports driver)",
     ]

@@ -5,7 +5,7 @@ import pytest
 
 from cagrpo_ray.rollout.pool import chunk_sampling
 from cagrpo_ray.rollout.vllm_engine import prompt_seed
-from cagrpo_ray.scheduler import step_seed
+from cagrpo_ray.schedule import step_seed
 from cagrpo_ray.types import SamplingConfig
 
 pytestmark = pytest.mark.unit
@@ -22,7 +22,7 @@ def test_no_two_samples_of_a_run_share_a_seed(n):
     config = Config()
     seeds = []
     for step in range(20):
-        base = SamplingConfig(n=n, seed=step_seed(config, step))
+        base = SamplingConfig(n=n, seed=step_seed(config.run.seed, step))
         for start in range(0, 32, 4):  # chunks of 4 prompts
             seeds += sample_seeds(chunk_sampling(base, start).seed, 4, n)
     assert len(set(seeds)) == len(seeds)

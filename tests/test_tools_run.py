@@ -79,7 +79,7 @@ class TableTrainer(RecordingTrainer):
     def setup(self):
         super().setup()
         self.tables = []
-        take = self.scheduler.buffer.take
+        take = self.scheduler.schedule.buffer.take
 
         def keeping_take(*args, **kwargs):
             table = take(*args, **kwargs)
@@ -87,7 +87,7 @@ class TableTrainer(RecordingTrainer):
                 self.tables.append(table.sort_by("group_id"))
             return table
 
-        self.scheduler.buffer.take = keeping_take
+        self.scheduler.schedule.buffer.take = keeping_take
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import resolve_policy
 from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
-from cagrpo_ray.scheduler import admissible_groups
+from cagrpo_ray.schedule import admissible_groups
 from cagrpo_ray.trainer import Trainer
 
 STEPS = 30
@@ -98,7 +98,7 @@ class RecordingTrainer(Trainer):
 
     def setup(self):
         super().setup()
-        buffer, group_size = self.scheduler.buffer, self.config.rollout.group_size
+        buffer, group_size = self.scheduler.schedule.buffer, self.config.rollout.group_size
         take = buffer.take
 
         def recording_take(*args, **kwargs):

@@ -3,10 +3,10 @@
 A chunk of prompt groups is lost when its generator replica dies (or, on resume, when it was
 still in flight at the checkpoint). Its groups are generated again under their own group ids,
 so with the same seeds (a group's seed derives from its chunk's first group id and its place
-in the chunk, `Scheduler._submit`): the run after a lost replica trains the groups, prompts and
-seeds of the uninterrupted run. Only a chunk that must be split (less room under the
-staleness bound than its size, which a lost chunk hardly meets since its groups stopped
-counting as outstanding) gives its tail other seeds.
+in the chunk, `Schedule.start_chunk` in cagrpo_ray/schedule.py): the run after a lost replica
+trains the groups, prompts and seeds of the uninterrupted run. Only a chunk that must be
+split (less room under the staleness bound than its size, which a lost chunk hardly meets
+since its groups stopped counting as outstanding) gives its tail other seeds.
 """
 
 from __future__ import annotations
@@ -50,15 +50,6 @@ class Requeue:
         return [[list(c.indices), list(c.group_ids)] for c in every]
 
     @classmethod
-    def from_state(cls, entries: list, next_group_id: int) -> tuple[Requeue, int]:
-        """The requeue of a checkpoint and the next new group id. A checkpoint written before
-        group ids were kept lists bare prompt indices: each gets a new group id."""
-        chunks = []
-        for entry in entries:
-            if isinstance(entry, int):
-                chunks.append(PromptChunk((entry,), (next_group_id,)))
-                next_group_id += 1
-            else:
-                indices, group_ids = entry
-                chunks.append(PromptChunk(tuple(indices), tuple(group_ids)))
-        return cls(chunks), next_group_id
+    def from_state(cls, entries: list) -> Requeue:
+        """The requeue of a checkpoint (`state`'s [[indices, group ids], ...])."""
+        return cls([PromptChunk(tuple(indices), tuple(ids)) for indices, ids in entries])
