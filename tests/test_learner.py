@@ -271,7 +271,7 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
             **one_rank,
         )
         if share:  # the cost model does pack this batch's micro-batches
-            rows = learner._micro_batches(
+            rows = learner.passes.micro_batches(
                 batch["attention_mask"].sum(1), groups=batch["group_ids"]
             )[0]
             packed = pack_prompts(
@@ -409,11 +409,11 @@ def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
 @pytest.mark.integration
 @pytest.mark.beside
 def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(tmp_path, one_rank):
-    """The head runs once per chunk of positions (`TokenScorer`); under ZeRO-3 a module's
+    """The head runs once per chunk of positions (`TokenLogprobs`); under ZeRO-3 a module's
     parameters are gathered when it runs and may be released after, so a head gathered per
     chunk would cost a full all-gather of it per chunk (~18 a pass for the 7B recipe's 1 GB
     head). DeepSpeed (0.19.8) registers the head's weight as an external parameter of the
-    scorer, which keeps it gathered for the scorer's whole pass: counted here, the head is
+    log-prob module, which keeps it gathered for its whole pass: counted here, the head is
     partitioned as often in a step whose logits run in 16-position chunks (dozens of head
     calls, a different number each step) at most as often as with one chunk, and the
     log-probs stay the recomputed ones. (At most, not exactly: once DeepSpeed's recorded module

@@ -146,8 +146,8 @@ class AlgorithmConfig(Section):
     )
     measure_policy_change: bool = Field(
         False,
-        description="After each learner step, score its batch again to log the KL between the "
-        "policies before and after it (policy/kl_step; one more forward pass).",
+        description="After each learner step, run its batch through the policy again to log the KL "
+        "between the policies before and after it (policy/kl_step; one more forward pass).",
     )
     dynamic_sampling: bool = Field(
         False,

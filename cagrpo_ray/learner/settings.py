@@ -28,12 +28,12 @@ class LearnerSettings:
         fp32 gradient accumulation (ZeRO stage 1 and up).
     gradient_checkpointing: recompute each decoder layer in the backward pass instead of
         keeping its activations (non-reentrant; the model stays in train mode, dropout 0).
-    logits_chunk_mib: memory for one chunk of the output head's float32 work (`scorer.py`).
+    logits_chunk_mib: memory for one chunk of the output head's float32 work (`logprobs.py`).
     ppo_epochs: passes over each rollout batch.
     mini_batches: optimizer steps per pass (each over 1 / mini_batches of the batch).
     token_stats: "rollout" (the loss's batch statistics fixed once per rollout batch from the
         old policy) or "minibatch" (recomputed per mini-batch from the current policy).
-    measure_policy_change: score the batch again after the step: KL(before || after).
+    measure_policy_change: one more forward pass of the batch after the step: KL(before || after).
     length_buckets: when a rank's batch fits one micro-batch and the step is one update, its
         training pass runs in this many length-sorted parts (all kept for the backward pass)
         and doubles as the proximal pass.
