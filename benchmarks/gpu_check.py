@@ -373,6 +373,7 @@ def build_learner(model_dir: str, stage: int, sizes: dict):
         zero_stage=stage,
         micro_batch_size=sizes["micro"],
         lr=1e-4,  # large enough that every version of the sync check differs in bf16
+        warmup_steps=0,
         dtype="bfloat16",
         gradient_checkpointing=True,
     )

@@ -340,8 +340,6 @@ class Scheduler:
         return SamplingConfig(
             n=n,
             temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
             max_tokens=r.max_tokens,
             seed=seed,
         )

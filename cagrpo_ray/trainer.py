@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from cagrpo_ray.config import Config
+from cagrpo_ray.config import Config, learner_settings, loss_spec
 from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.env.episode import environment_options
@@ -58,39 +58,6 @@ def required_cpus(config: Config) -> float:
         r.num_generators * r.num_cpus_per_generator
         + lcfg.num_learners * lcfg.num_cpus_per_learner
         + config.reward.num_cpus
-    )
-
-
-def learner_settings(config: Config, model_path: str):
-    """The learners' `LearnerSettings` from the config (the loss is `algorithm.loss_spec()`)."""
-    from cagrpo_ray.learner.settings import LearnerSettings
-
-    a, lcfg, r = config.algorithm, config.learner, config.rollout
-    responses = r.prompts_per_step * r.group_size
-    return LearnerSettings(
-        model_path=model_path,
-        zero_stage=lcfg.zero_stage,
-        micro_batch_size=lcfg.micro_batch_size,
-        lr=a.lr,
-        warmup_steps=a.warmup_steps,
-        weight_decay=a.weight_decay,
-        grad_clip=a.grad_clip,
-        temperature=config.rollout.temperature,
-        max_response_length=config.rollout.max_tokens,
-        seed=config.run.seed,
-        dtype=config.model.dtype,
-        gradient_checkpointing=lcfg.gradient_checkpointing,
-        logits_chunk_mib=lcfg.logits_chunk_mib,
-        dist_timeout_s=lcfg.dist_timeout_s,
-        ppo_epochs=a.ppo_epochs,
-        mini_batches=responses // (a.mini_batch_size or responses),
-        token_stats=a.token_stats,
-        measure_policy_change=a.measure_policy_change,
-        length_buckets=lcfg.length_buckets,
-        share_prompts=lcfg.share_prompts,
-        lr_schedule=a.lr_schedule,
-        min_lr_ratio=a.min_lr_ratio,
-        total_steps=config.run.steps,
     )
 
 
@@ -198,7 +165,7 @@ class Trainer:
                 LearnerGroup,
                 cfg.learner.num_learners,
                 learner_settings(cfg, self.model_path),
-                cfg.algorithm.loss_spec(),
+                loss_spec(cfg),
                 actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
                 log_dir=self.log_dir,
                 shard_by=cfg.learner.shard_by,

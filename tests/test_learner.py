@@ -82,6 +82,12 @@ def hf_model(path, weights: dict[str, torch.Tensor] | None = None):
     return model.eval()
 
 
+def settings_at(path, **options) -> LearnerSettings:
+    """Settings of a learner of the policy at `path`: the lr in full from the first step (no
+    warm-up) unless `options` say otherwise."""
+    return LearnerSettings(str(path), **{"warmup_steps": 0, **options})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,8 +156,8 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
     # ZeRO-3 must agree with them.
     batch["behavior_logprobs"] = hf_logprobs(before, batch, temperature) * batch["response_mask"]
     learner = Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=3, lr=1e-3, micro_batch_size=8, temperature=temperature
+        settings_at(
+            policy_path, zero_stage=3, lr=1e-3, micro_batch_size=8, temperature=temperature
         ),
         LossSpec("cagrpo"),
         **one_rank,
@@ -205,8 +211,8 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
 @pytest.mark.beside
 def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
     learner = Learner(
-        LearnerSettings(
-            str(policy_path),
+        settings_at(
+            policy_path,
             zero_stage=3,
             lr=1e-2,
             micro_batch_size=16,
@@ -231,9 +237,7 @@ def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
     results = []
     for micro_batch_size in (32, 8, 7):  # one pass; four; five with an uneven last one
         learner = Learner(
-            LearnerSettings(
-                str(policy_path), zero_stage=2, lr=lr, micro_batch_size=micro_batch_size
-            ),
+            settings_at(policy_path, zero_stage=2, lr=lr, micro_batch_size=micro_batch_size),
             LossSpec("cagrpo", loss_agg="token-mean"),
             **one_rank,
         )
@@ -264,9 +268,7 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
     results = []
     for share in (False, True):
         learner = Learner(
-            LearnerSettings(
-                str(policy_path), lr=lr, micro_batch_size=micro_batch_size, share_prompts=share
-            ),
+            settings_at(policy_path, lr=lr, micro_batch_size=micro_batch_size, share_prompts=share),
             LossSpec("cagrpo", loss_agg="token-mean"),
             **one_rank,
         )
@@ -298,9 +300,7 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
 @pytest.mark.beside
 def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path):
     learner = Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=2, lr=1e-3, warmup_steps=3, micro_batch_size=16
-        ),
+        settings_at(policy_path, zero_stage=2, lr=1e-3, warmup_steps=3, micro_batch_size=16),
         LossSpec("grpo", tis_cap=2.0),
         **one_rank,
     )
@@ -333,8 +333,8 @@ def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path)
 
 def several_updates(policy_path, one_rank, loss="cagrpo", micro=32, **settings):
     return Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=2, lr=1e-2, micro_batch_size=micro, **settings
+        settings_at(
+            policy_path, zero_stage=2, lr=1e-2, micro_batch_size=micro, **settings
         ),  # fmt: skip
         LossSpec(loss, clip_eps_low=0.1, clip_eps_high=0.1),
         **one_rank,
@@ -442,7 +442,7 @@ def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(
     try:
         for mib in (0.05, 1024.0):  # 16 positions a chunk; one chunk
             learner = Learner(
-                LearnerSettings(str(path), zero_stage=3, lr=1e-3, micro_batch_size=8,
+                settings_at(path, zero_stage=3, lr=1e-3, micro_batch_size=8,
                                 logits_chunk_mib=mib, gradient_checkpointing=True),
                 LossSpec("cagrpo"), **one_rank,
             )  # fmt: skip

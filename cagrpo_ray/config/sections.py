@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from cagrpo_ray.config.algorithm import AlgorithmConfig
 from cagrpo_ray.config.section import Section
+from cagrpo_ray.learner.settings import LearnerSettings
 
 
 class RunConfig(Section):
@@ -20,15 +21,17 @@ class RunConfig(Section):
         "turn; on-policy), async is 1 unless max_staleness says otherwise. sync with a "
         "max_staleness above 0 is an error.",
     )
-    max_staleness: int | None = Field(
-        None,
+    max_staleness: int = Field(
+        0,
         ge=0,
         description="The most policy versions a trained sample may lag the learner. 0 is the "
         "synchronous schedule; above 0 generators keep sampling while the learner trains. "
         "Generation that would exceed it is not started; groups that exceed it anyway are "
-        "dropped and counted. None: from run.mode (0 without one).",
+        "dropped and counted. Unset (or null): from run.mode, 1 for async, else 0.",
     )
-    seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
+    seed: int = Field(
+        LearnerSettings.seed, description="Seed for data order, sampling and learner RNG."
+    )
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
     checkpoint_every: int = Field(
         10, ge=0, description="Checkpoint every K steps (0: only at the end)."
@@ -58,18 +61,23 @@ class RunConfig(Section):
         "end, or never.",
     )
 
-    @model_validator(mode="after")
-    def _resolve_staleness(self) -> RunConfig:
-        if self.mode == "sync" and self.max_staleness not in (None, 0):
+    @model_validator(mode="before")
+    @classmethod
+    def _staleness_from_mode(cls, data: Any) -> Any:
+        """run.max_staleness, when the input leaves it unset, from run.mode; a sync mode with a
+        bound above 0 is refused."""
+        if not isinstance(data, dict):
+            return data
+        mode, bound = data.get("mode"), data.get("max_staleness")
+        if mode == "sync" and bound not in (None, 0):
             raise ValueError(
                 f"run.mode 'sync' is run.max_staleness 0, but run.max_staleness is "
-                f"{self.max_staleness}: drop run.mode (a bound above 0 is asynchronous) or set "
+                f"{bound}: drop run.mode (a bound above 0 is asynchronous) or set "
                 "run.max_staleness to 0"
             )
-        if self.max_staleness is None:
-            # object.__setattr__: plain assignment would re-run this validator
-            object.__setattr__(self, "max_staleness", 1 if self.mode == "async" else 0)
-        return self
+        if bound is None:
+            return {**data, "max_staleness": 1 if mode == "async" else 0}
+        return data
 
     @property
     def asynchronous(self) -> bool:
@@ -96,7 +104,7 @@ class ModelConfig(Section):
         "the hub name itself.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
+        LearnerSettings.dtype,
         description="Parameter dtype of learners and generators alike (bfloat16: fp32 master "
         "weights and gradient accumulation; float16 would need loss scaling, not implemented).",
     )
@@ -166,10 +174,8 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per replica.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
     group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (training: 1, off).")
-    top_k: int = Field(
-        0, ge=0, description="Top-k sampling (0: off; training needs top_p 1 and top_k 0)."
+    temperature: float = Field(
+        LearnerSettings.temperature, gt=0, description="Sampling temperature."
     )
     max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
     max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
@@ -198,6 +204,22 @@ class RolloutConfig(Section):
         "tool call (the env section) gets the tool's result and the policy goes on; "
         "max_tokens then bounds the whole episode after the prompt, tool results included.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_truncated_sampling(cls, data: Any) -> Any:
+        """rollout.top_p and rollout.top_k are gone: name them and say why."""
+        named = [f"rollout.{k}" for k in ("top_p", "top_k") if isinstance(data, dict) and k in data]
+        if named:
+            raise ValueError(
+                f"{' and '.join(named)}: removed. Training samples from the "
+                "full softmax at rollout.temperature, because the learner computes its log-probs "
+                "with the full softmax: truncated sampling (vLLM's log-probs renormalised over "
+                "the kept tokens) would bias algorithm.tis_cap's weights and train another "
+                "policy than the one sampled. Remove the key (evaluation's own top_p/top_k are "
+                "options of python -m cagrpo_ray.eval)"
+            )
+        return data
 
 
 class EnvConfig(Section):
@@ -237,17 +259,21 @@ class LearnerConfig(Section):
     num_learners: int = Field(2, ge=1, description="Data-parallel learner ranks (Ray actors).")
     num_cpus_per_learner: float = Field(0.5, gt=0, description="Ray CPUs per learner.")
     num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
-    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
-    micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        LearnerSettings.zero_stage, description="DeepSpeed ZeRO stage."
+    )
+    micro_batch_size: int = Field(
+        LearnerSettings.micro_batch_size, ge=1, description="Responses per forward/backward pass."
+    )
     length_buckets: int = Field(
-        4,
+        LearnerSettings.length_buckets,
         ge=1,
         description="When a rank's batch fits one micro-batch and a step is one update, its "
         "training pass runs in this many length-sorted parts (less padding) and doubles as the "
         "proximal pass.",
     )
     share_prompts: bool = Field(
-        True,
+        LearnerSettings.share_prompts,
         description="Run the prompt a group's responses share once per micro-batch, with the "
         "responses packed after it (each attends to the prompt and itself), where the decoder's "
         "estimated cost is lower than one padded row per response; micro-batches then hold "
@@ -260,18 +286,18 @@ class LearnerConfig(Section):
         "first, each to the least-loaded rank), 'count' takes consecutive groups.",
     )
     gradient_checkpointing: bool = Field(
-        False,
+        LearnerSettings.gradient_checkpointing,
         description="Recompute each decoder layer in the backward pass instead of keeping its "
         "activations (non-reentrant; on in the GPU recipes).",
     )
     logits_chunk_mib: float = Field(
-        1024.0,
+        LearnerSettings.logits_chunk_mib,
         gt=0,
         description="Memory (MiB) for one chunk of the output head's float32 work: full-vocabulary "
         "logits never exist for a whole micro-batch.",
     )
     dist_timeout_s: float = Field(
-        1800.0,
+        LearnerSettings.dist_timeout_s,
         gt=0,
         description="Timeout (s) of the learners' collectives (DeepSpeed's included); longer than "
         "sync.timeout_s, so a weight sync gives up before the learners' collectives do.",

@@ -9,7 +9,9 @@ from cagrpo_ray.algo.schedules import LR_SCHEDULES
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    """How one learner rank trains, apart from the loss (which is a `LossSpec`).
+    """How one learner rank trains, apart from the loss (which is a `LossSpec`). Each default
+    is defined here once; the config field a setting comes from takes it from here
+    (`config/roles.py` is the translation).
 
     model_path: the policy to start from (a Hugging Face model directory).
     zero_stage: DeepSpeed ZeRO stage 0 to 3.
@@ -48,7 +50,7 @@ class LearnerSettings:
     zero_stage: int = 2
     micro_batch_size: int = 32
     lr: float = 1e-4
-    warmup_steps: int = 0
+    warmup_steps: int = 5
     lr_schedule: str = "constant"
     min_lr_ratio: float = 0.0
     total_steps: int | None = None
