@@ -58,6 +58,35 @@ from cagrpo_ray.learner.settings import LearnerSettings
 _CHECKPOINT_TAG = "learner"
 
 
+def adamw_with_schedule(model: torch.nn.Module, settings: LearnerSettings):
+    """AdamW over `model`'s parameters (no weight decay on biases and norms, as usual for
+    transformers) and its learning-rate schedule: linear warm-up from lr / warmup_steps on the
+    first step to lr, then `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule
+    counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step takes
+    ppo_epochs x mini_batches of those."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+    )
+    updates = settings.ppo_epochs * settings.mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s // updates,
+            settings.total_steps,
+            settings.warmup_steps,
+            settings.lr_schedule,
+            settings.min_lr_ratio,
+        ),
+    )
+    return optimizer, scheduler
+
+
 class Learner:
     """One rank of the data-parallel policy learner (DeepSpeed ZeRO stage 0 to 3).
 
@@ -100,30 +129,7 @@ class Learner:
             bf16=settings.dtype == "bfloat16",
         )
         model = self._load_model(self.model_path)
-        # No weight decay on biases and norms, as usual for transformers.
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": settings.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=settings.lr,
-        )
-        # Linear warm-up from lr / warmup_steps on the first step to lr, then the schedule. It
-        # counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step
-        # takes ppo_epochs x mini_batches of those.
-        updates = settings.ppo_epochs * settings.mini_batches
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda s: lr_factor(
-                s // updates,
-                settings.total_steps,
-                settings.warmup_steps,
-                settings.lr_schedule,
-                settings.min_lr_ratio,
-            ),
-        )
+        optimizer, scheduler = adamw_with_schedule(model, settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
