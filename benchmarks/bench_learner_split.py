@@ -131,8 +131,8 @@ def main() -> None:
 
     import ray
 
-    from cagrpo_ray.config import learner_settings, loss_spec
     from cagrpo_ray.learner import group as group_module
+    from cagrpo_ray.learner.settings import learner_settings, loss_spec
 
     config, path, batches = shaped_batches(args)
     r = config.rollout

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from cagrpo_ray.config import Config, learner_settings, loss_spec
+from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.env.episode import environment_options
@@ -106,6 +106,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from cagrpo_ray.learner.group import LearnerGroup
+        from cagrpo_ray.learner.settings import learner_settings, loss_spec
         from cagrpo_ray.policies.build import resolve_policy
         from cagrpo_ray.rewards import RewardFunction
 

@@ -9,9 +9,9 @@ from cagrpo_ray.config import (
     ConfigError,
     describe_fields,
     load_config,
-    loss_spec,
     main,
 )
+from cagrpo_ray.learner.settings import loss_spec
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,13 @@ what is allowed:
 YAML files in `configs/` hold only what differs from these defaults. Command-line overrides
 use dotted paths: `--set algorithm.lr=1e-6 --set rollout.group_size=8`.
 
-`roles.py` is the one translation into the roles' settings (`learner_settings`, `loss_spec`).
+`cagrpo_ray/learner/settings.py` is the one translation into the learner's and the loss's
+settings (`learner_settings`, `loss_spec`).
 
 Print the resolved tree with `python -m cagrpo_ray.config --config configs/cpu-tiny.yaml`.
 """
 
+from cagrpo_ray.config.algorithm import DEFAULT_TIS_CAP
 from cagrpo_ray.config.loading import (
     ConfigError,
     add_config_args,
@@ -24,7 +26,6 @@ from cagrpo_ray.config.loading import (
     parse_overrides,
     to_yaml,
 )
-from cagrpo_ray.config.roles import DEFAULT_TIS_CAP, learner_settings, loss_spec
 from cagrpo_ray.config.sections import (
     AlgorithmConfig,
     ClusterConfig,
@@ -62,9 +63,7 @@ __all__ = [
     "add_config_args",
     "describe_fields",
     "from_dict",
-    "learner_settings",
     "load_config",
-    "loss_spec",
     "main",
     "parse_overrides",
     "to_yaml",

@@ -18,7 +18,8 @@ from cagrpo_ray.algo.losses import (
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.algo.stats import SCOPES
 from cagrpo_ray.config.section import Section
-from cagrpo_ray.learner.settings import LearnerSettings
+
+DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise
 
 
 class AlgorithmConfig(Section):
@@ -103,27 +104,25 @@ class AlgorithmConfig(Section):
         "ratio far above 1 cannot dominate the update (verl's clip_ratio_c; its DAPO recipes use "
         "10). Never binds at ratio 1. PPO-clip losses only (grpo, cagrpo, clip_cov). None: off.",
     )
-    lr: float = Field(LearnerSettings.lr, gt=0, description="Learning rate (AdamW).")
+    lr: float = Field(1e-4, gt=0, description="Learning rate (AdamW).")
     warmup_steps: int = Field(
-        LearnerSettings.warmup_steps,
+        5,
         ge=0,
         description="Linear learning-rate warm-up steps: lr * (s + 1) / warmup_steps at step s.",
     )
     lr_schedule: Literal[LR_SCHEDULES] = Field(
-        LearnerSettings.lr_schedule,
+        "constant",
         description="Learning rate after the warm-up: constant, or linear / cosine decay towards "
         "min_lr_ratio * lr at the end of the run (verl's lr_scheduler_type).",
     )
     min_lr_ratio: float = Field(
-        LearnerSettings.min_lr_ratio,
+        0.0,
         ge=0,
         le=1,
         description="Where linear and cosine decay end, as a fraction of lr.",
     )
-    weight_decay: float = Field(
-        LearnerSettings.weight_decay, ge=0, description="AdamW weight decay."
-    )
-    grad_clip: float = Field(LearnerSettings.grad_clip, gt=0, description="Gradient norm clip.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     kl_coef: float = Field(
         LossSpec.kl_coef,
         ge=0,
@@ -140,12 +139,13 @@ class AlgorithmConfig(Section):
     tis_cap: float | None = Field(
         LossSpec.tis_cap,
         ge=0,
-        description="Truncated importance-sampling cap on behavior->proximal weights. None: 2.0 "
+        description="Truncated importance-sampling cap on behavior->proximal weights. None: "
+        f"{DEFAULT_TIS_CAP:g} "
         "when run.max_staleness > 0 (asynchronous samples need the correction), off when 0; "
         "0: no correction, whatever the schedule (an explicit choice).",
     )
     ppo_epochs: int = Field(
-        LearnerSettings.ppo_epochs,
+        1,
         ge=1,
         description="Passes over each rollout batch (verl's ppo_epochs).",
     )
@@ -156,13 +156,13 @@ class AlgorithmConfig(Section):
         "the whole rollout batch, one optimizer step per pass).",
     )
     token_stats: Literal["rollout", "minibatch"] = Field(
-        LearnerSettings.token_stats,
+        "rollout",
         description="Where CA-GRPO's kernel weights and the Clip-Cov/KL-Cov selections come "
         "from: once per rollout batch from the old policy, or per mini-batch from the current "
         "policy (as verl does).",
     )
     measure_policy_change: bool = Field(
-        LearnerSettings.measure_policy_change,
+        False,
         description="After each learner step, run its batch through the policy again to log the KL "
         "between the policies before and after it (policy/kl_step; one more forward pass).",
     )

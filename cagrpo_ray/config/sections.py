@@ -9,7 +9,6 @@ from pydantic import Field, model_validator
 
 from cagrpo_ray.config.algorithm import AlgorithmConfig
 from cagrpo_ray.config.section import Section
-from cagrpo_ray.learner.settings import LearnerSettings
 
 
 class RunConfig(Section):
@@ -29,9 +28,7 @@ class RunConfig(Section):
         "Generation that would exceed it is not started; groups that exceed it anyway are "
         "dropped and counted. Unset (or null): from run.mode, 1 for async, else 0.",
     )
-    seed: int = Field(
-        LearnerSettings.seed, description="Seed for data order, sampling and learner RNG."
-    )
+    seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
     checkpoint_every: int = Field(
         10, ge=0, description="Checkpoint every K steps (0: only at the end)."
@@ -104,7 +101,7 @@ class ModelConfig(Section):
         "the hub name itself.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
-        LearnerSettings.dtype,
+        "float32",
         description="Parameter dtype of learners and generators alike (bfloat16: fp32 master "
         "weights and gradient accumulation; float16 would need loss scaling, not implemented).",
     )
@@ -174,9 +171,7 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism per replica.")
     prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
     group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
-    temperature: float = Field(
-        LearnerSettings.temperature, gt=0, description="Sampling temperature."
-    )
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
     max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
     kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV-cache size in GiB.")
@@ -259,21 +254,17 @@ class LearnerConfig(Section):
     num_learners: int = Field(2, ge=1, description="Data-parallel learner ranks (Ray actors).")
     num_cpus_per_learner: float = Field(0.5, gt=0, description="Ray CPUs per learner.")
     num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
-    zero_stage: Literal[0, 1, 2, 3] = Field(
-        LearnerSettings.zero_stage, description="DeepSpeed ZeRO stage."
-    )
-    micro_batch_size: int = Field(
-        LearnerSettings.micro_batch_size, ge=1, description="Responses per forward/backward pass."
-    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
+    micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")
     length_buckets: int = Field(
-        LearnerSettings.length_buckets,
+        4,
         ge=1,
         description="When a rank's batch fits one micro-batch and a step is one update, its "
         "training pass runs in this many length-sorted parts (less padding) and doubles as the "
         "proximal pass.",
     )
     share_prompts: bool = Field(
-        LearnerSettings.share_prompts,
+        True,
         description="Run the prompt a group's responses share once per micro-batch, with the "
         "responses packed after it (each attends to the prompt and itself), where the decoder's "
         "estimated cost is lower than one padded row per response; micro-batches then hold "
@@ -286,18 +277,18 @@ class LearnerConfig(Section):
         "first, each to the least-loaded rank), 'count' takes consecutive groups.",
     )
     gradient_checkpointing: bool = Field(
-        LearnerSettings.gradient_checkpointing,
+        False,
         description="Recompute each decoder layer in the backward pass instead of keeping its "
         "activations (non-reentrant; on in the GPU recipes).",
     )
     logits_chunk_mib: float = Field(
-        LearnerSettings.logits_chunk_mib,
+        1024.0,
         gt=0,
         description="Memory (MiB) for one chunk of the output head's float32 work: full-vocabulary "
         "logits never exist for a whole micro-batch.",
     )
     dist_timeout_s: float = Field(
-        LearnerSettings.dist_timeout_s,
+        1800.0,
         gt=0,
         description="Timeout (s) of the learners' collectives (DeepSpeed's included); longer than "
         "sync.timeout_s, so a weight sync gives up before the learners' collectives do.",

@@ -1,5 +1,6 @@
-"""The one translation from the config to the roles (`config/roles.py`): every default defined
-once, every key carried, and the values the config leaves open resolved where they are used."""
+"""The one translation of the config into the learner's and the loss's settings
+(`learner/settings.py`): every default defined once, every key carried, and the values the
+config leaves open resolved where they are used."""
 
 from __future__ import annotations
 
@@ -10,13 +11,22 @@ from pathlib import Path
 import pytest
 
 from cagrpo_ray.algo.registry import LossSpec
-from cagrpo_ray.config import DEFAULT_TIS_CAP, Config, learner_settings, load_config, loss_spec
-from cagrpo_ray.config.roles import DERIVED, LEARNER_KEYS, LOSS_KEYS, NOT_IN_CONFIG, config_value
-from cagrpo_ray.learner.settings import LearnerSettings
+from cagrpo_ray.config import DEFAULT_TIS_CAP, Config, load_config
+from cagrpo_ray.learner.settings import (
+    DERIVED,
+    LEARNER_KEYS,
+    LOSS_KEYS,
+    NOT_IN_CONFIG,
+    LearnerSettings,
+    config_value,
+    learner_settings,
+    loss_spec,
+)
 
 pytestmark = pytest.mark.unit
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "cagrpo_ray" / "config"
+PACKAGE = Path(__file__).resolve().parent.parent / "cagrpo_ray"
+CONFIG_DIR = PACKAGE / "config"
 
 
 def config_default_sources() -> dict[tuple[str, str], str]:
@@ -43,23 +53,43 @@ def section_field(key: str):
     return model.__name__, model.model_fields[name]
 
 
-@pytest.mark.parametrize(
-    "role, keys", [(LearnerSettings, LEARNER_KEYS), (LossSpec, LOSS_KEYS)], ids=lambda x: str(x)
-)
-def test_each_default_is_defined_once_in_the_role_and_the_config_takes_it(role, keys):
-    """A config field copied into a role states no default of its own: its `Field` names the
-    role's (`LearnerSettings.lr`), so a default cannot be written twice and drift (as
-    warmup_steps did: 5 in the config, 0 in the learner)."""
+def settings_default_sources() -> dict[str, str]:
+    """LearnerSettings field -> the source text of its default."""
+    tree = ast.parse((PACKAGE / "learner" / "settings.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LearnerSettings"]
+    return {
+        item.target.id: ast.unparse(item.value)
+        for item in cls.body
+        if isinstance(item, ast.AnnAssign) and item.value is not None
+    }
+
+
+def test_each_loss_default_is_defined_once_in_the_spec_and_the_config_takes_it():
+    """`algo/` imports nothing, so a loss option's default is LossSpec's and its config key
+    names it (`LossSpec.kl_coef`) instead of writing a second one that could drift."""
     sources = config_default_sources()
-    role_fields = {f.name: f for f in dataclasses.fields(role)}
-    for field, key in keys.items():
+    specs = {f.name: f for f in dataclasses.fields(LossSpec)}
+    for field, key in LOSS_KEYS.items():
         section, info = section_field(key)
         source = sources[(section, key.split(".")[1])]
-        assert source == f"{role.__name__}.{field}", (
-            f"{key}'s default is written as {source!r}; take it from {role.__name__}.{field}, "
-            "its one definition"
+        assert source == f"LossSpec.{field}", (
+            f"{key}'s default is written as {source!r}; take it from LossSpec.{field}, its one "
+            "definition"
         )
-        assert info.default == role_fields[field].default, key
+        assert info.default == specs[field].default, key
+
+
+def test_each_learner_default_is_defined_once_in_the_config_and_the_settings_take_it():
+    """A learner setting copied from a config key states no default of its own: it takes the
+    key's (as warmup_steps did not: 5 in the config, 0 in the learner)."""
+    sources = settings_default_sources()
+    settings = {f.name: f for f in dataclasses.fields(LearnerSettings)}
+    for field, key in LEARNER_KEYS.items():
+        assert sources[field] == f"_config_default({field!r})", (
+            f"LearnerSettings.{field}'s default is written as {sources[field]!r}; take it from "
+            f"{key}, its one definition"
+        )
+        assert settings[field].default == section_field(key)[1].default, field
 
 
 def test_every_role_field_is_translated_or_said_not_to_be():
