@@ -132,7 +132,7 @@ def main() -> None:
     import ray
 
     from cagrpo_ray.learner import group as group_module
-    from cagrpo_ray.trainer import learner_settings
+    from cagrpo_ray.learner.settings import learner_settings, loss_spec
 
     config, path, batches = shaped_batches(args)
     r = config.rollout
@@ -144,7 +144,7 @@ def main() -> None:
         learners = group_module.LearnerGroup(
             config.learner.num_learners,
             learner_settings(config, path),
-            config.algorithm.loss_spec(),
+            loss_spec(config),
             num_cpus_per_learner=1,
         )
         for index, batch in enumerate(batches):

@@ -38,7 +38,7 @@ def main() -> None:
     import ray
 
     from cagrpo_ray.learner import group as group_module
-    from cagrpo_ray.trainer import learner_settings
+    from cagrpo_ray.learner.settings import learner_settings, loss_spec
 
     config, path, batches = shaped_batches(args, shared=True)
     r = config.rollout
@@ -53,7 +53,7 @@ def main() -> None:
             name: group_module.LearnerGroup(
                 config.learner.num_learners,
                 dataclasses.replace(settings, share_prompts=share),
-                config.algorithm.loss_spec(),
+                loss_spec(config),
                 num_cpus_per_learner=1,
             )
             for name, share in variants.items()

@@ -12,7 +12,7 @@ statistics, and a crash or a hang is recorded instead of ending the run):
   with ZeRO-2, then 3 with ZeRO-3, gradient checkpointing on; every loss and gradient norm
   must be finite; the peak CUDA memory is set beside the planner's estimate;
 - memory: the 1.5B recipe's model shape (random weights) and micro-batch, one forward and
-  backward through the learner's `TokenScorer`, with and without gradient checkpointing;
+  backward through the learner's `TokenLogprobs`, with and without gradient checkpointing;
   peak memory and what the forward pass keeps for backward, beside the planner's estimates.
   An out-of-memory error is a result;
 - sync: learner rank 0 (ZeRO-3, on GPU 0) and a receiver process. The rendezvous must refuse
@@ -373,6 +373,7 @@ def build_learner(model_dir: str, stage: int, sizes: dict):
         zero_stage=stage,
         micro_batch_size=sizes["micro"],
         lr=1e-4,  # large enough that every version of the sync check differs in bf16
+        warmup_steps=0,
         dtype="bfloat16",
         gradient_checkpointing=True,
     )
@@ -680,13 +681,13 @@ def planner_probe_estimate(shape: dict, rows: int, width: int, chunk_mib: float)
     return out
 
 
-def probe_pass(scorer, rows: int, width: int, cuda) -> dict:
+def probe_pass(forward, rows: int, width: int, cuda) -> dict:
     """One forward and backward of `rows` x `width` right-padded random tokens."""
     import torch
 
-    device = next(scorer.parameters()).device
+    device = next(forward.parameters()).device
     g = torch.Generator().manual_seed(0)
-    vocab = scorer.policy.config.vocab_size
+    vocab = forward.policy.config.vocab_size
     lengths = width - torch.arange(rows) * (width // (4 * rows))  # row 0 fills the width
     mask = (torch.arange(width) < lengths[:, None]).long().to(device)
     ids = (torch.randint(0, vocab, (rows, width), generator=g) * mask.cpu()).to(device)
@@ -697,7 +698,7 @@ def probe_pass(scorer, rows: int, width: int, cuda) -> dict:
         base = cuda.memory_allocated()
     began = time.perf_counter()
     try:
-        logprobs, _ = scorer(ids, mask)
+        logprobs, _ = forward(ids, mask)
         kept = cuda.memory_allocated() - base if cuda else None
         loss = -(logprobs * mask).sum() / mask.sum()
         loss.backward()
@@ -711,7 +712,7 @@ def probe_pass(scorer, rows: int, width: int, cuda) -> dict:
         raise
     grads = [
         torch.linalg.vector_norm(p.grad, dtype=torch.float32)
-        for p in scorer.parameters()
+        for p in forward.parameters()
         if p.grad is not None
     ]
     return {
@@ -726,12 +727,12 @@ def probe_pass(scorer, rows: int, width: int, cuda) -> dict:
 def memory_case(
     shape: dict, rows: int, width: int, temperature: float, chunk_mib: float, start: float
 ):
-    """Forward and backward through the learner's TokenScorer, with and without gradient
+    """Forward and backward through the learner's TokenLogprobs, with and without gradient
     checkpointing (non-reentrant, train mode, as the learner runs it); yields each case."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from cagrpo_ray.learner.scorer import TokenScorer
+    from cagrpo_ray.learner.logprobs import TokenLogprobs
 
     cuda = cuda_memory()
     device = torch.device("cuda" if cuda else "cpu")
@@ -741,7 +742,7 @@ def memory_case(
     )
     with device:
         model = Qwen2ForCausalLM._from_config(config, dtype=torch.bfloat16).to(device)
-    scorer = TokenScorer(model, temperature, chunk_mib)
+    forward = TokenLogprobs(model, temperature, chunk_mib)
     result = {
         "parameters": sum(p.numel() for p in model.parameters()),
         "attention": model.config._attn_implementation,
@@ -756,7 +757,7 @@ def memory_case(
         else:
             model.gradient_checkpointing_disable()
         model.train()
-        result[name] = probe_pass(scorer, rows, width, cuda)
+        result[name] = probe_pass(forward, rows, width, cuda)
         log(start, f"memory {name}: {result[name]}")
         yield {name: result[name]}
         model.zero_grad(set_to_none=True)

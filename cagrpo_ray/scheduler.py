@@ -50,8 +50,6 @@ def sampling_config(rollout, n: int, temperature: float, seed: int) -> SamplingC
     return SamplingConfig(
         n=n,
         temperature=temperature,
-        top_p=rollout.top_p,
-        top_k=rollout.top_k,
         max_tokens=rollout.max_tokens,
         seed=seed,
     )

@@ -60,39 +60,6 @@ def required_cpus(config: Config) -> float:
     )
 
 
-def learner_settings(config: Config, model_path: str):
-    """The learners' `LearnerSettings` from the config (the loss is `algorithm.loss_spec()`)."""
-    from cagrpo_ray.learner.settings import LearnerSettings
-
-    a, lcfg, r = config.algorithm, config.learner, config.rollout
-    responses = r.prompts_per_step * r.group_size
-    return LearnerSettings(
-        model_path=model_path,
-        zero_stage=lcfg.zero_stage,
-        micro_batch_size=lcfg.micro_batch_size,
-        lr=a.lr,
-        warmup_steps=a.warmup_steps,
-        weight_decay=a.weight_decay,
-        grad_clip=a.grad_clip,
-        temperature=config.rollout.temperature,
-        max_response_length=config.rollout.max_tokens,
-        seed=config.run.seed,
-        dtype=config.model.dtype,
-        gradient_checkpointing=lcfg.gradient_checkpointing,
-        logits_chunk_mib=lcfg.logits_chunk_mib,
-        dist_timeout_s=lcfg.dist_timeout_s,
-        ppo_epochs=a.ppo_epochs,
-        mini_batches=responses // (a.mini_batch_size or responses),
-        token_stats=a.token_stats,
-        measure_policy_change=a.measure_policy_change,
-        length_buckets=lcfg.length_buckets,
-        share_prompts=lcfg.share_prompts,
-        lr_schedule=a.lr_schedule,
-        min_lr_ratio=a.min_lr_ratio,
-        total_steps=config.run.steps,
-    )
-
-
 def check_plan(config: Config) -> None:
     """The planner's check (`python -m cagrpo_ray.plan`) against the cluster the run joined:
     raises `PlanError` naming the GPU and the component that does not fit, or the tensor-
@@ -139,6 +106,7 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from cagrpo_ray.learner.group import LearnerGroup
+        from cagrpo_ray.learner.settings import learner_settings, loss_spec
         from cagrpo_ray.policies.build import resolve_policy
         from cagrpo_ray.rewards import RewardFunction
 
@@ -199,7 +167,7 @@ class Trainer:
                 LearnerGroup,
                 cfg.learner.num_learners,
                 learner_settings(cfg, self.model_path),
-                cfg.algorithm.loss_spec(),
+                loss_spec(cfg),
                 actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
                 log_dir=self.log_dir,
                 shard_by=cfg.learner.shard_by,

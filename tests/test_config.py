@@ -4,7 +4,14 @@ from pathlib import Path
 
 import pytest
 
-from cagrpo_ray.config import Config, ConfigError, describe_fields, load_config, main
+from cagrpo_ray.config import (
+    Config,
+    ConfigError,
+    describe_fields,
+    load_config,
+    main,
+)
+from cagrpo_ray.learner.settings import loss_spec
 
 pytestmark = pytest.mark.unit
 
@@ -113,38 +120,40 @@ def test_loss_names_come_from_the_registry_and_options_reach_the_spec():
     from cagrpo_ray.algo.losses import POLICY_LOSSES, LossSpec
 
     config = load_config(None, ["algorithm.kl_cov_ratio=0.002", "algorithm.clip_cov_ub=4"])
-    spec = config.algorithm.loss_spec()
+    spec = loss_spec(config)
     assert spec.kl_cov_ratio == 0.002 and spec.clip_cov_ub == 4.0
-    # the config's defaults are the spec's: one set of defaults, written twice, kept equal
-    default = Config().algorithm.loss_spec()
+    # the config's defaults are the spec's (tests/test_config_roles.py: defined once)
+    default = loss_spec(Config())
     for f in fields(LossSpec):
         assert getattr(default, f.name) == f.default, f.name
     allowed = Config.model_fields["algorithm"].annotation.model_fields["policy_loss"].annotation
     assert set(typing.get_args(allowed)) == set(POLICY_LOSSES)
 
 
-def test_truncated_sampling_is_refused_naming_both_keys_and_why():
-    for override in ("rollout.top_p=0.9", "rollout.top_k=20"):
+def test_truncated_sampling_keys_are_removed_with_an_error_naming_the_key_and_why():
+    for overrides, named in (
+        (["rollout.top_p=0.9"], "rollout.top_p: removed"),
+        (["rollout.top_k=20"], "rollout.top_k: removed"),
+        (["rollout.top_p=1.0", "rollout.top_k=0"], "rollout.top_p and rollout.top_k: removed"),
+    ):
         with pytest.raises(ConfigError) as err:
-            load_config(None, [override])
+            load_config(None, overrides)
         message = str(err.value)
-        assert "rollout.top_p" in message and "rollout.top_k" in message, override
-        assert "full softmax" in message
-    config = load_config(None, ["rollout.top_p=1.0", "rollout.top_k=0"])
-    assert (config.rollout.top_p, config.rollout.top_k) == (1.0, 0)
+        assert named in message and "full softmax" in message, overrides
+    assert "top_p" not in Config().rollout.model_dump()
 
 
 def test_kl_estimator_reaches_the_spec_and_unknown_ones_are_refused():
     config = load_config(None, ["algorithm.kl_estimator=k1"])
-    assert config.algorithm.loss_spec().kl_estimator == "k1"
+    assert loss_spec(config).kl_estimator == "k1"
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.kl_estimator=mse"])
     assert "algorithm.kl_estimator: 'mse' is not one of k1, abs, k2, k3" in str(err.value)
 
 
 def test_dual_clip_bound_reaches_the_spec_and_is_above_one_or_off():
-    assert load_config(None, ["algorithm.clip_ratio_c=10"]).algorithm.loss_spec().clip_ratio_c == 10
-    off = load_config(None, ["algorithm.clip_ratio_c=null"]).algorithm.loss_spec()
+    assert loss_spec(load_config(None, ["algorithm.clip_ratio_c=10"])).clip_ratio_c == 10
+    off = loss_spec(load_config(None, ["algorithm.clip_ratio_c=null"]))
     assert off.clip_ratio_c is None
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.clip_ratio_c=1"])
@@ -165,7 +174,7 @@ def test_lr_schedule_options():
 
 def test_kernel_width_and_its_controller_options():
     config = load_config(None, ["algorithm.cagrpo_kappa=2", "algorithm.cagrpo_kernel=positive"])
-    spec = config.algorithm.loss_spec()
+    spec = loss_spec(config)
     assert (spec.cagrpo_kappa, spec.cagrpo_kernel) == (2.0, "positive")
     steered = load_config(None, ["algorithm.kappa_control=entropy",
                                  "algorithm.kappa_entropy_band=[0.8, 1.25]"])  # fmt: skip

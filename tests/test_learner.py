@@ -82,6 +82,12 @@ def hf_model(path, weights: dict[str, torch.Tensor] | None = None):
     return model.eval()
 
 
+def settings_at(path, **options) -> LearnerSettings:
+    """Settings of a learner of the policy at `path`: the lr in full from the first step (no
+    warm-up) unless `options` say otherwise."""
+    return LearnerSettings(str(path), **{"warmup_steps": 0, **options})
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,8 +156,8 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
     # ZeRO-3 must agree with them.
     batch["behavior_logprobs"] = hf_logprobs(before, batch, temperature) * batch["response_mask"]
     learner = Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=3, lr=1e-3, micro_batch_size=8, temperature=temperature
+        settings_at(
+            policy_path, zero_stage=3, lr=1e-3, micro_batch_size=8, temperature=temperature
         ),
         LossSpec("cagrpo"),
         **one_rank,
@@ -205,8 +211,8 @@ def test_step_lowers_the_surrogate_and_reports_metrics(policy_path, one_rank, tm
 @pytest.mark.beside
 def test_reference_kl_and_entropy_bonus_under_zero3(policy_path, one_rank):
     learner = Learner(
-        LearnerSettings(
-            str(policy_path),
+        settings_at(
+            policy_path,
             zero_stage=3,
             lr=1e-2,
             micro_batch_size=16,
@@ -231,9 +237,7 @@ def test_micro_batches_give_the_update_of_one_batch(policy_path, one_rank):
     results = []
     for micro_batch_size in (32, 8, 7):  # one pass; four; five with an uneven last one
         learner = Learner(
-            LearnerSettings(
-                str(policy_path), zero_stage=2, lr=lr, micro_batch_size=micro_batch_size
-            ),
+            settings_at(policy_path, zero_stage=2, lr=lr, micro_batch_size=micro_batch_size),
             LossSpec("cagrpo", loss_agg="token-mean"),
             **one_rank,
         )
@@ -264,14 +268,12 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
     results = []
     for share in (False, True):
         learner = Learner(
-            LearnerSettings(
-                str(policy_path), lr=lr, micro_batch_size=micro_batch_size, share_prompts=share
-            ),
+            settings_at(policy_path, lr=lr, micro_batch_size=micro_batch_size, share_prompts=share),
             LossSpec("cagrpo", loss_agg="token-mean"),
             **one_rank,
         )
         if share:  # the cost model does pack this batch's micro-batches
-            rows = learner._micro_batches(
+            rows = learner.passes.micro_batches(
                 batch["attention_mask"].sum(1), groups=batch["group_ids"]
             )[0]
             packed = pack_prompts(
@@ -298,9 +300,7 @@ def test_shared_prompts_give_the_update_of_one_row_per_response(
 @pytest.mark.beside
 def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path):
     learner = Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=2, lr=1e-3, warmup_steps=3, micro_batch_size=16
-        ),
+        settings_at(policy_path, zero_stage=2, lr=1e-3, warmup_steps=3, micro_batch_size=16),
         LossSpec("grpo", tis_cap=2.0),
         **one_rank,
     )
@@ -333,8 +333,8 @@ def test_checkpoint_round_trip_repeats_the_step(policy_path, one_rank, tmp_path)
 
 def several_updates(policy_path, one_rank, loss="cagrpo", micro=32, **settings):
     return Learner(
-        LearnerSettings(
-            str(policy_path), zero_stage=2, lr=1e-2, micro_batch_size=micro, **settings
+        settings_at(
+            policy_path, zero_stage=2, lr=1e-2, micro_batch_size=micro, **settings
         ),  # fmt: skip
         LossSpec(loss, clip_eps_low=0.1, clip_eps_high=0.1),
         **one_rank,
@@ -409,11 +409,11 @@ def test_the_policy_change_of_a_step_is_measured(policy_path, one_rank):
 @pytest.mark.integration
 @pytest.mark.beside
 def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(tmp_path, one_rank):
-    """The head runs once per chunk of positions (`TokenScorer`); under ZeRO-3 a module's
+    """The head runs once per chunk of positions (`TokenLogprobs`); under ZeRO-3 a module's
     parameters are gathered when it runs and may be released after, so a head gathered per
     chunk would cost a full all-gather of it per chunk (~18 a pass for the 7B recipe's 1 GB
     head). DeepSpeed (0.19.8) registers the head's weight as an external parameter of the
-    scorer, which keeps it gathered for the scorer's whole pass: counted here, the head is
+    log-prob module, which keeps it gathered for its whole pass: counted here, the head is
     partitioned as often in a step whose logits run in 16-position chunks (dozens of head
     calls, a different number each step) at most as often as with one chunk, and the
     log-probs stay the recomputed ones. (At most, not exactly: once DeepSpeed's recorded module
@@ -442,7 +442,7 @@ def test_zero3_gathers_the_output_head_once_per_pass_however_many_logits_chunks(
     try:
         for mib in (0.05, 1024.0):  # 16 positions a chunk; one chunk
             learner = Learner(
-                LearnerSettings(str(path), zero_stage=3, lr=1e-3, micro_batch_size=8,
+                settings_at(path, zero_stage=3, lr=1e-3, micro_batch_size=8,
                                 logits_chunk_mib=mib, gradient_checkpointing=True),
                 LossSpec("cagrpo"), **one_rank,
             )  # fmt: skip

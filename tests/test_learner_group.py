@@ -19,7 +19,7 @@ from cagrpo_ray.learner.learner import Learner
 from cagrpo_ray.learner.settings import LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
-LEARNER = dict(lr=1e-3, micro_batch_size=5)
+LEARNER = dict(lr=1e-3, warmup_steps=0, micro_batch_size=5)
 LOSS = LossSpec("cagrpo", cov_scope="batch")
 
 

@@ -1,5 +1,5 @@
 """Shared prompts (learner/packing.py): a group's prompt run once with its responses packed
-after it gives every scored token the log-prob, entropy and parameter gradient of its own
+after it gives every wanted token the log-prob, entropy and parameter gradient of its own
 padded row (float64, fresh random batches), and the cost model packs only where it pays."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from cagrpo_ray.learner.logprobs import TokenLogprobs
 from cagrpo_ray.learner.packing import PackingCost, pack_prompts
-from cagrpo_ray.learner.scorer import TokenScorer
 from cagrpo_ray.policies.model import random_policy
 
 pytestmark = pytest.mark.unit
 VOCAB = 29
-ATOL = 1e-5  # float32 parts (RMSNorm, the scorer's head); a wrong context gives ~1e-1
+ATOL = 1e-5  # float32 parts (RMSNorm, the log-prob head); a wrong context gives ~1e-1
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,8 @@ def policy(tmp_path_factory):
 
 def grouped_batch(seed: int, groups: int = 4, size: int = 3):
     """Right-padded rows in prompt groups: a group's rows share a random prompt (2-7 tokens),
-    each response 1-9 tokens, a few with unscored tokens inside (a tool's result), one group
-    whose rows' prompts differ, one row with nothing scored."""
+    each response 1-9 tokens, a few with unwanted tokens inside (a tool's result), one group
+    whose rows' prompts differ, one row with nothing wanted."""
     g = torch.Generator().manual_seed(seed)
     rows, prompts, responses = [], [], []
     for group in range(groups):
@@ -50,9 +50,9 @@ def grouped_batch(seed: int, groups: int = 4, size: int = 3):
         input_ids[i, : len(p) + len(r)] = torch.cat([p, r])
         attention[i, : len(p) + len(r)] = 1
         wanted[i, len(p) : len(p) + len(r)] = True
-        if len(r) >= 5 and i % 2:  # a tool's result inside the response: context, not scored
+        if len(r) >= 5 and i % 2:  # a tool's result inside the response: context, not wanted
             wanted[i, len(p) + 2 : len(p) + 4] = False
-    wanted[b - 1] = False  # a row with nothing scored
+    wanted[b - 1] = False  # a row with nothing wanted
     return input_ids, attention, wanted, torch.tensor(rows)
 
 
@@ -90,12 +90,12 @@ def checkpointing(policy, request):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_prompts_give_each_rows_values_and_gradients(policy, checkpointing, seed):
     """Against each row run alone from its full logits in float64, and against the padded row
-    layout. The model's weights are float64, but its RMSNorm and the scorer's head compute in
+    layout. The model's weights are float64, but its RMSNorm and the log-prob head compute in
     float32, which bounds the agreement (ATOL)."""
     input_ids, attention, wanted, groups = grouped_batch(seed + 10 * checkpointing)
     packed = pack_prompts(input_ids, attention, wanted, groups)  # no cost model: always packs
     assert packed is not None
-    # fewer sequences than rows, each scored row's tokens where `source` says
+    # fewer sequences than rows, each wanted row's tokens where `source` says
     assert packed.input_ids.shape[0] < input_ids.shape[0]
     real = (attention.bool() & wanted.any(1, keepdim=True)).reshape(-1)
     assert torch.all(packed.source[real] >= 0) and torch.all(packed.source[~real] == -1)
@@ -103,7 +103,7 @@ def test_packed_prompts_give_each_rows_values_and_gradients(policy, checkpointin
         packed.input_ids.reshape(-1)[packed.source[real]], input_ids.reshape(-1)[real]
     )
 
-    shared = TokenScorer(policy, 0.7)
+    shared = TokenLogprobs(policy, 0.7)
     shared.packing_cost = None  # pack whatever the cost
     shared.chunk = 5
     weights = torch.rand(
@@ -111,7 +111,7 @@ def test_packed_prompts_give_each_rows_values_and_gradients(policy, checkpointin
     )
     results = {
         "reference": reference(policy, input_ids, attention, wanted, 0.7),
-        "rows": TokenScorer(policy, 0.7)(input_ids, attention, with_entropy=True, wanted=wanted),
+        "rows": TokenLogprobs(policy, 0.7)(input_ids, attention, with_entropy=True, wanted=wanted),
         "packed": shared(input_ids, attention, with_entropy=True, wanted=wanted, groups=groups),
     }
     grads = {name: gradients(policy, *values, weights) for name, values in results.items()}
@@ -131,7 +131,7 @@ def test_packed_prompts_give_each_rows_values_and_gradients(policy, checkpointin
             )
 
 
-def test_nothing_shared_or_nothing_scored_is_not_packed():
+def test_nothing_shared_or_nothing_wanted_is_not_packed():
     input_ids, attention, wanted, groups = grouped_batch(5)
     assert pack_prompts(input_ids, attention, wanted, torch.arange(len(groups))) is None
     assert pack_prompts(input_ids, attention, torch.zeros_like(wanted), groups) is None

@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cagrpo_ray.inspect import read_step, render_page
 from cagrpo_ray.inspect.capture import capture_step
 from cagrpo_ray.inspect.page import VISIBLE_WHITESPACE
-from cagrpo_ray.learner.scorer import TokenScorer
+from cagrpo_ray.learner.logprobs import TokenLogprobs
 from cagrpo_ray.policies import gguf
 from cagrpo_ray.policies.build import resolve_policy
 from cagrpo_ray.policies.cache import cache_root
@@ -258,11 +258,11 @@ def test_chunked_logprobs_and_entropies_match_a_float64_forward(
     for r, (ids, start) in enumerate(zip(rows, starts, strict=True)):
         input_ids[r, start : start + len(ids)] = ids
         attention[r, start : start + len(ids)] = 1
-    scorer = TokenScorer(model, temperature)
-    scorer.chunk = int(torch.randint(4, 8, (1,), generator=g))
-    assert math.ceil(3 * width / scorer.chunk) >= 3  # several chunks, boundaries inside rows
+    forward = TokenLogprobs(model, temperature)
+    forward.chunk = int(torch.randint(4, 8, (1,), generator=g))
+    assert math.ceil(3 * width / forward.chunk) >= 3  # several chunks, boundaries inside rows
     with torch.no_grad():
-        logprobs, entropy = scorer(input_ids, attention, with_entropy=True)
+        logprobs, entropy = forward(input_ids, attention, with_entropy=True)
     assert logprobs.dtype == entropy.dtype == torch.float32
     assert torch.all(logprobs[:, 0] == 0) and torch.all(entropy[:, 0] == 0)
     for r, (ids, start) in enumerate(zip(rows, starts, strict=True)):

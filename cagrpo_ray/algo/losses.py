@@ -69,9 +69,9 @@ seq-mean-token-sum, seq-mean-token-sum-norm) and KL_t one of the `kl_estimator`s
 weights from the behavior policy (`tis_cap`, `off_policy.py`).
 
 A loss gets every option as one typed object, `LossSpec` (`registry.py`), built from the
-config's `algorithm` section (`AlgorithmConfig.loss_spec()`); adding an option is a field there
-and in the config, and its use in the loss. The registry's names are the config's allowed
-`algorithm.policy_loss` values.
+config's `algorithm` section (`learner/settings.py`); adding an option is a field there (with its
+one default), a config field that takes that default, and its use in the loss. The registry's
+names are the config's allowed `algorithm.policy_loss` values.
 
 Computed once per batch, then micro-batched
 -------------------------------------------

@@ -1,7 +1,7 @@
 """The loss registry: a loss is one function and one name, and gets its options as one object.
 
 `LossSpec` holds every option of every loss (the config's `algorithm` section, field by field:
-`AlgorithmConfig.loss_spec()`); `register_policy_loss` adds a loss under a name, which is then
+`learner/settings.py`); `register_policy_loss` adds a loss under a name, which is then
 an allowed `algorithm.policy_loss`. A registered loss sees one micro-batch as `LossInputs` and
 returns its per-token loss [B, T] and metrics; the losses themselves are in `losses.py`, which
 registers them when `cagrpo_ray.algo` is imported.
@@ -24,7 +24,8 @@ CAGRPO_KERNELS = ("normalized", "unnormalized", "ones", "positive", "negative")
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Every option of a policy loss, in one typed value (the defaults are the config's).
+    """Every option of a policy loss, in one typed value. Each default is defined here once;
+    the config's `algorithm.<option>` takes it from here.
 
     name: the registered loss ("grpo", "cagrpo", "clip_cov", "kl_cov", ...).
     loss_agg: how token losses aggregate (`aggregation.py`).

@@ -9,10 +9,13 @@ what is allowed:
 YAML files in `configs/` hold only what differs from these defaults. Command-line overrides
 use dotted paths: `--set algorithm.lr=1e-6 --set rollout.group_size=8`.
 
+`cagrpo_ray/learner/settings.py` is the one translation into the learner's and the loss's
+settings (`learner_settings`, `loss_spec`).
+
 Print the resolved tree with `python -m cagrpo_ray.config --config configs/cpu-tiny.yaml`.
 """
 
-from cagrpo_ray.config.checks import DEFAULT_TIS_CAP
+from cagrpo_ray.config.algorithm import DEFAULT_TIS_CAP
 from cagrpo_ray.config.loading import (
     ConfigError,
     add_config_args,

@@ -19,29 +19,31 @@ from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.algo.stats import SCOPES
 from cagrpo_ray.config.section import Section
 
+DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise
+
 
 class AlgorithmConfig(Section):
     policy_loss: Literal[tuple(POLICY_LOSSES)] = Field(  # the registry's names
-        "cagrpo", description="Policy loss from the registry in cagrpo_ray.algo.losses."
+        LossSpec.name, description="Policy loss from the registry in cagrpo_ray.algo.losses."
     )
     loss_agg: Literal[LOSS_AGG_MODES] = Field(
-        "token-mean",
+        LossSpec.loss_agg,
         description="How token losses become the loss, over the whole batch: token-mean (every "
         "token alike; DAPO), seq-mean-token-mean (every response alike; GRPO), "
         "seq-mean-token-sum (per-response sums averaged over responses), "
         "seq-mean-token-sum-norm (sums over responses x rollout.max_tokens; Dr.GRPO).",
     )
     cov_scope: Literal[SCOPES] = Field(
-        "group", description="Token set over which CA-GRPO's covariance kernel is taken."
+        LossSpec.cov_scope, description="Token set over which CA-GRPO's covariance kernel is taken."
     )
     cagrpo_kernel: Literal[CAGRPO_KERNELS] = Field(
-        "normalized",
+        LossSpec.cagrpo_kernel,
         description="CA-GRPO's weights: normalized (the paper's w~); the ablations unnormalized "
         "(raw Gaussian kernel w), ones (every weight 1, which is GRPO), positive and negative "
         "(the kernel on the tokens with c > 0, resp. c < 0, only).",
     )
     cagrpo_kappa: float = Field(
-        1.0,
+        LossSpec.cagrpo_kappa,
         gt=0,
         description="CA-GRPO's kernel width in units of sigma: w = exp(-c^2 / (2 kappa^2 "
         "sigma^2)); 1 is the paper's, larger is closer to GRPO. With kappa_control 'entropy', "
@@ -64,32 +66,39 @@ class AlgorithmConfig(Section):
         (0.25, 64.0), description="The controller keeps kappa within [low, high]."
     )
     clip_cov_ratio: float = Field(
-        2e-4, ge=0, le=1, description="Clip-Cov: fraction of tokens whose gradient is cut."
+        LossSpec.clip_cov_ratio,
+        ge=0,
+        le=1,
+        description="Clip-Cov: fraction of tokens whose gradient is cut.",
     )
     clip_cov_lb: float = Field(
-        1.0, description="Clip-Cov: lower bound of the covariance band tokens are drawn from."
+        LossSpec.clip_cov_lb,
+        description="Clip-Cov: lower bound of the covariance band tokens are drawn from.",
     )
     clip_cov_ub: float = Field(
-        5.0, description="Clip-Cov: upper bound of the covariance band tokens are drawn from."
+        LossSpec.clip_cov_ub,
+        description="Clip-Cov: upper bound of the covariance band tokens are drawn from.",
     )
     kl_cov_ratio: float = Field(
-        2e-4,
+        LossSpec.kl_cov_ratio,
         ge=0,
         le=1,
         description="KL-Cov: fraction of tokens (largest covariance) that get the |log r| "
         "penalty (the authors' 7B recipe: 2e-3).",
     )
     kl_cov_coef: float = Field(
-        1.0,
+        LossSpec.kl_cov_coef,
         ge=0,
         description="KL-Cov: coefficient of |log r| (the authors' code and verl's recipes use 1; "
         "verl's dataclass default is 0.1).",
     )
     std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
-    clip_eps_low: float = Field(0.2, ge=0, description="PPO clip range below 1.")
-    clip_eps_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (DAPO: 0.28).")
+    clip_eps_low: float = Field(LossSpec.clip_eps_low, ge=0, description="PPO clip range below 1.")
+    clip_eps_high: float = Field(
+        LossSpec.clip_eps_high, ge=0, description="PPO clip range above 1 (DAPO: 0.28)."
+    )
     clip_ratio_c: float | None = Field(
-        3.0,
+        LossSpec.clip_ratio_c,
         gt=1,
         description="Dual-clip: a token with negative advantage A loses at most |A| * c, so a "
         "ratio far above 1 cannot dominate the update (verl's clip_ratio_c; its DAPO recipes use "
@@ -107,30 +116,38 @@ class AlgorithmConfig(Section):
         "min_lr_ratio * lr at the end of the run (verl's lr_scheduler_type).",
     )
     min_lr_ratio: float = Field(
-        0.0, ge=0, le=1, description="Where linear and cosine decay end, as a fraction of lr."
+        0.0,
+        ge=0,
+        le=1,
+        description="Where linear and cosine decay end, as a fraction of lr.",
     )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     kl_coef: float = Field(
-        0.0,
+        LossSpec.kl_coef,
         ge=0,
         description="Coefficient of the KL penalty to the reference policy, a loss term (0: off).",
     )
     kl_estimator: Literal[KL_ESTIMATORS] = Field(
-        "k3",
+        LossSpec.kl_estimator,
         description="Per-token KL estimator, d = log pi - log pi_ref: k1 (d), abs (|d|), k2 "
         "(d^2 / 2), k3 (e^-d + d - 1, clamped to 10; verl's low_var_kl).",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient (0: off).")
+    entropy_coef: float = Field(
+        LossSpec.entropy_coef, ge=0, description="Entropy bonus coefficient (0: off)."
+    )
     tis_cap: float | None = Field(
-        None,
+        LossSpec.tis_cap,
         ge=0,
-        description="Truncated importance-sampling cap on behavior->proximal weights. None: 2.0 "
+        description="Truncated importance-sampling cap on behavior->proximal weights. None: "
+        f"{DEFAULT_TIS_CAP:g} "
         "when run.max_staleness > 0 (asynchronous samples need the correction), off when 0; "
         "0: no correction, whatever the schedule (an explicit choice).",
     )
     ppo_epochs: int = Field(
-        1, ge=1, description="Passes over each rollout batch (verl's ppo_epochs)."
+        1,
+        ge=1,
+        description="Passes over each rollout batch (verl's ppo_epochs).",
     )
     mini_batch_size: int | None = Field(
         None,
@@ -146,8 +163,8 @@ class AlgorithmConfig(Section):
     )
     measure_policy_change: bool = Field(
         False,
-        description="After each learner step, score its batch again to log the KL between the "
-        "policies before and after it (policy/kl_step; one more forward pass).",
+        description="After each learner step, run its batch through the policy again to log the KL "
+        "between the policies before and after it (policy/kl_step; one more forward pass).",
     )
     dynamic_sampling: bool = Field(
         False,
@@ -195,10 +212,3 @@ class AlgorithmConfig(Section):
                 f"policy_loss is {self.policy_loss!r} (use cagrpo, or kappa_control: off)"
             )
         return self
-
-    def loss_spec(self) -> LossSpec:
-        """The loss and all its options as one typed value, for the learner."""
-        options = {name: getattr(self, name) for name in LossSpec.option_names()}
-        if options.get("tis_cap") == 0:
-            options["tis_cap"] = None  # explicitly off
-        return LossSpec(self.policy_loss, **options)

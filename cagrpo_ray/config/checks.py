@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from cagrpo_ray.config.sections import Config
 
-DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise
-
 
 def check_across_sections(config: Config) -> Config:
     """Rules that span sections; each message names the keys and what would be right."""
@@ -16,9 +14,6 @@ def check_across_sections(config: Config) -> Config:
             "stage 0's gradients in bfloat16 only, and the learner accumulates in float32"
         )
     a, r, lcfg = config.algorithm, config.rollout, config.learner
-    if a.tis_cap is None and config.run.max_staleness > 0:
-        # set on the validated model: `object.__setattr__` skips re-validation
-        object.__setattr__(a, "tis_cap", DEFAULT_TIS_CAP)
     batch = r.prompts_per_step * r.group_size
     if a.mini_batch_size is not None:
         size = a.mini_batch_size
@@ -44,14 +39,6 @@ def check_across_sections(config: Config) -> Config:
                 "ranks of the weight-sync group) on one GPU; NCCL refuses that and colocated "
                 "layouts are not supported: use whole GPUs (0 on the CPU)"
             )
-    if config.rollout.top_p < 1 or config.rollout.top_k > 0:
-        raise ValueError(
-            f"rollout.top_p {config.rollout.top_p:g} and rollout.top_k {config.rollout.top_k} "
-            "truncate sampling, but the learner scores tokens with the full softmax at the "
-            "temperature: vLLM's log-probs (renormalised over the kept tokens) would not be the "
-            "learner's, which biases algorithm.tis_cap's weights and trains another policy than "
-            "the one sampled. Set rollout.top_p 1.0 and rollout.top_k 0"
-        )
     if config.eval.hard_config and config.data.source != "reasoning_gym":
         raise ValueError(
             "eval.hard_config describes a harder reasoning_gym split; data.source is "

@@ -20,13 +20,13 @@ class RunConfig(Section):
         "turn; on-policy), async is 1 unless max_staleness says otherwise. sync with a "
         "max_staleness above 0 is an error.",
     )
-    max_staleness: int | None = Field(
-        None,
+    max_staleness: int = Field(
+        0,
         ge=0,
         description="The most policy versions a trained sample may lag the learner. 0 is the "
         "synchronous schedule; above 0 generators keep sampling while the learner trains. "
         "Generation that would exceed it is not started; groups that exceed it anyway are "
-        "dropped and counted. None: from run.mode (0 without one).",
+        "dropped and counted. Unset (or null): from run.mode, 1 for async, else 0.",
     )
     seed: int = Field(0, description="Seed for data order, sampling and learner RNG.")
     steps: int = Field(40, ge=1, description="Learner steps (one optimizer step each).")
@@ -58,18 +58,23 @@ class RunConfig(Section):
         "end, or never.",
     )
 
-    @model_validator(mode="after")
-    def _resolve_staleness(self) -> RunConfig:
-        if self.mode == "sync" and self.max_staleness not in (None, 0):
+    @model_validator(mode="before")
+    @classmethod
+    def _staleness_from_mode(cls, data: Any) -> Any:
+        """run.max_staleness, when the input leaves it unset, from run.mode; a sync mode with a
+        bound above 0 is refused."""
+        if not isinstance(data, dict):
+            return data
+        mode, bound = data.get("mode"), data.get("max_staleness")
+        if mode == "sync" and bound not in (None, 0):
             raise ValueError(
                 f"run.mode 'sync' is run.max_staleness 0, but run.max_staleness is "
-                f"{self.max_staleness}: drop run.mode (a bound above 0 is asynchronous) or set "
+                f"{bound}: drop run.mode (a bound above 0 is asynchronous) or set "
                 "run.max_staleness to 0"
             )
-        if self.max_staleness is None:
-            # object.__setattr__: plain assignment would re-run this validator
-            object.__setattr__(self, "max_staleness", 1 if self.mode == "async" else 0)
-        return self
+        if bound is None:
+            return {**data, "max_staleness": 1 if mode == "async" else 0}
+        return data
 
     @property
     def asynchronous(self) -> bool:
@@ -167,10 +172,6 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(16, ge=1, description="Prompts per learner step.")
     group_size: int = Field(8, ge=2, description="Responses sampled per prompt (G).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (training: 1, off).")
-    top_k: int = Field(
-        0, ge=0, description="Top-k sampling (0: off; training needs top_p 1 and top_k 0)."
-    )
     max_tokens: int = Field(64, ge=1, description="Completion tokens per response.")
     max_model_len: int = Field(256, ge=8, description="Prompt + completion tokens (vLLM).")
     kv_cache_gib: float = Field(1.0, gt=0, description="vLLM CPU KV-cache size in GiB.")
@@ -198,6 +199,22 @@ class RolloutConfig(Section):
         "tool call (the env section) gets the tool's result and the policy goes on; "
         "max_tokens then bounds the whole episode after the prompt, tool results included.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_truncated_sampling(cls, data: Any) -> Any:
+        """rollout.top_p and rollout.top_k are gone: name them and say why."""
+        named = [f"rollout.{k}" for k in ("top_p", "top_k") if isinstance(data, dict) and k in data]
+        if named:
+            raise ValueError(
+                f"{' and '.join(named)}: removed. Training samples from the "
+                "full softmax at rollout.temperature, because the learner computes its log-probs "
+                "with the full softmax: truncated sampling (vLLM's log-probs renormalised over "
+                "the kept tokens) would bias algorithm.tis_cap's weights and train another "
+                "policy than the one sampled. Remove the key (evaluation's own top_p/top_k are "
+                "options of python -m cagrpo_ray.eval)"
+            )
+        return data
 
 
 class EnvConfig(Section):

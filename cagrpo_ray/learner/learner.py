@@ -3,48 +3,97 @@
 `Learner` is a plain class; `cagrpo_ray.learner.group` runs m of them as Ray actors. Every rank
 receives its shard of the learner batch (whole prompt groups, see docs/architecture.md) and
 takes part in every collective, so all ranks call the same methods in the same order.
+
+`Learner.train_step` reads as the step runs, each part with explicit inputs:
+
+    1. proximal pass: the current weights' log-probs and entropies, and the reference
+       policy's log-probs (`forward.ForwardPasses.proximal`);
+    2. off-policy correction: truncated IS weights, generator -> proximal policy
+       (`algo/off_policy.py`);
+    3. loss preparation: the loss's batch statistics (kernel weights, Clip-Cov/KL-Cov
+       selections), once over the rollout batch on all ranks (`algo.prepare_loss_inputs`);
+    4. PPO epochs: `ppo_epochs` passes over `mini_batches` mini-batches, one optimizer step
+       each (`ppo.ppo_epochs`);
+    5. inspection: the inspected groups' per-token values, and optionally the step's KL.
 """
 
 from __future__ import annotations
 
-import math
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import deepspeed
+import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from cagrpo_ray.algo import (
-    LossSpec,
-    lr_factor,
-)
-from cagrpo_ray.learner.batch import BATCH_KEYS
+from cagrpo_ray.algo import LossSpec, lr_factor, prepare_loss_inputs, truncated_is_weights
+from cagrpo_ray.algo.registry import as_spec
+from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch
 from cagrpo_ray.learner.distributed import (
+    RankReducer,
     all_reduce_,
+    data_parallel_group,
     deepspeed_config,
     init_data_parallel,
     rng_state,
     seed_everything,
     set_rng_state,
 )
-from cagrpo_ray.learner.ppo import PPOSteps
-from cagrpo_ray.learner.scorer import TokenScorer, keep_head_gathered
+from cagrpo_ray.learner.forward import ForwardPasses
+from cagrpo_ray.learner.logprobs import TokenLogprobs, keep_head_gathered
+from cagrpo_ray.learner.ppo import (
+    UpdateInputs,
+    combine_updates,
+    policy_change,
+    ppo_epochs,
+    reduce_batch_metric,
+    token_records,
+)
 from cagrpo_ray.learner.settings import LearnerSettings
 
 _CHECKPOINT_TAG = "learner"
 
 
-class Learner(PPOSteps):
+def adamw_with_schedule(model: torch.nn.Module, settings: LearnerSettings):
+    """AdamW over `model`'s parameters (no weight decay on biases and norms, as usual for
+    transformers) and its learning-rate schedule: linear warm-up from lr / warmup_steps on the
+    first step to lr, then `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule
+    counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step takes
+    ppo_epochs x mini_batches of those."""
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": settings.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+    )
+    updates = settings.ppo_epochs * settings.mini_batches
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: lr_factor(
+            s // updates,
+            settings.total_steps,
+            settings.warmup_steps,
+            settings.lr_schedule,
+            settings.min_lr_ratio,
+        ),
+    )
+    return optimizer, scheduler
+
+
+class Learner:
     """One rank of the data-parallel policy learner (DeepSpeed ZeRO stage 0 to 3).
 
-    `train_step` (ppo.py) is one learner step on the rank's shard of a rollout batch: by
-    default one optimizer step on the whole batch, or `ppo_epochs` passes over its
-    mini-batches; each update's loss is normalised over its (mini-)batch across ranks, so it
-    does not depend on how the batch is cut into micro-batches and ranks.
+    `train_step` is one learner step on the rank's shard of a rollout batch: by default one
+    optimizer step on the whole batch, or `ppo_epochs` passes over its mini-batches; each
+    update's loss is normalised over its (mini-)batch across ranks, so it does not depend on
+    how the batch is cut into micro-batches and ranks.
     """
 
     def __init__(
@@ -68,6 +117,7 @@ class Learner(PPOSteps):
         self.temperature = settings.temperature
         self.step = 0
         self.weight_sender = None  # rank 0's end of the weight sync, once opened
+        self.inspection: dict[str, np.ndarray] = {}  # the last step's, for the token inspector
 
         init_data_parallel(rank, world_size, master_addr, master_port, settings.dist_timeout_s)
         seed_everything(settings.seed)
@@ -79,30 +129,7 @@ class Learner(PPOSteps):
             bf16=settings.dtype == "bfloat16",
         )
         model = self._load_model(self.model_path)
-        # No weight decay on biases and norms, as usual for transformers.
-        decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": settings.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
-            lr=settings.lr,
-        )
-        # Linear warm-up from lr / warmup_steps on the first step to lr, then the schedule. It
-        # counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step
-        # takes ppo_epochs x mini_batches of those.
-        updates = settings.ppo_epochs * settings.mini_batches
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer,
-            lambda s: lr_factor(
-                s // updates,
-                settings.total_steps,
-                settings.warmup_steps,
-                settings.lr_schedule,
-                settings.min_lr_ratio,
-            ),
-        )
+        optimizer, scheduler = adamw_with_schedule(model, settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
         )
@@ -113,10 +140,18 @@ class Learner(PPOSteps):
         ref_path = settings.ref_model_path or (self.model_path if loss.kl_coef > 0 else None)
         if ref_path is not None:
             self.ref_model = self._reference_model(str(ref_path))
+        self.passes = ForwardPasses(
+            self.engine,
+            self.ref_model,
+            settings.micro_batch_size,
+            settings.share_prompts,
+            settings.length_buckets,
+            self.device,
+        )
 
     # ----------------------------------------------------------------------------- set-up
 
-    def _load_model(self, path: str, trainable: bool = True) -> TokenScorer:
+    def _load_model(self, path: str, trainable: bool = True) -> TokenLogprobs:
         s = self.settings
         # Every rank loads the whole model into host memory; under ZeRO-3 deepspeed.initialize
         # then partitions it. (Building it already partitioned needs transformers'
@@ -141,7 +176,7 @@ class Learner(PPOSteps):
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         model.train(trainable)
-        return TokenScorer(model, self.temperature, s.logits_chunk_mib)
+        return TokenLogprobs(model, self.temperature, s.logits_chunk_mib)
 
     def _reference_model(self, path: str) -> torch.nn.Module:
         model = self._load_model(path, trainable=False).requires_grad_(False)
@@ -157,58 +192,124 @@ class Learner(PPOSteps):
             return engine
         return model.to(self.device)
 
-    # ----------------------------------------------------------------------------- forward
+    # ----------------------------------------------------------------------------- step
 
-    def _micro_batches(
-        self, lengths: torch.Tensor, count: int | None = None, groups: torch.Tensor | None = None
-    ) -> list[torch.Tensor]:
-        """Row indices of each micro-batch (`count` of them, or as many as
-        `micro_batch_size` needs), rows sorted by length so that a micro-batch's padding,
-        which its forward pass trims, is small. With `groups` (the rows' prompt group ids)
-        and `share_prompts`, a group's rows stay together (groups sorted by their longest
-        row), so that a micro-batch runs each prompt once. The same number on every rank
-        (ZeRO's collectives run inside forward and backward, so every rank runs as many)."""
-        rows = lengths.numel()
-        wanted = count if count is not None else math.ceil(rows / self.micro_batch_size)
-        wanted = torch.tensor([wanted], device=self.device)
-        wanted = int(all_reduce_(wanted, "max").item())
-        lengths = lengths.cpu()
-        if groups is not None and self.settings.share_prompts:
-            groups = groups.cpu()
-            _, group_index = torch.unique_consecutive(groups, return_inverse=True)
-            longest = torch.zeros(int(group_index.max()) + 1, dtype=lengths.dtype)
-            longest = longest.scatter_reduce(0, group_index, lengths, "amax")
-            # groups by their longest row (ascending), then by length within a group
-            key = (longest[group_index] * (rows + 1) + group_index) * (int(lengths.max()) + 1)
-            order = torch.argsort(key + lengths, stable=True)
-        else:
-            order = torch.argsort(lengths, stable=True)
-        return list(order.tensor_split(wanted))
+    def train_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        inspect_groups: list[int] | None = None,
+        loss_options: dict | None = None,
+    ) -> dict[str, float]:
+        """One learner step on this rank's shard of a rollout batch: `ppo_epochs` passes over
+        its mini-batches, one optimizer step per mini-batch (by default one pass over the
+        whole batch: one optimizer step).
 
-    def _groups(self, batch, rows: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The rows' prompt group ids where prompts are shared (`share_prompts`), else None."""
-        if not self.settings.share_prompts:
-            return None
-        return batch["group_ids"] if rows is None else batch["group_ids"][rows]
+        batch: the learner batch of docs/architecture.md (keys `BATCH_KEYS`, whole prompt
+        groups of one size). Every rank must call it, each with its own shard, and every rank
+        holds as many groups (so that mini-batch j is the j-th slice of every shard). Returns
+        metrics that are equal on every rank (reduced over micro-batches and ranks): the
+        rollout batch's statistics, the updates' means, and the last update's detail.
 
-    def _scores(self, model, batch, rows: torch.Tensor, with_entropy: bool):
-        """[r, W] log-probs at the token (and entropies, or None) of the micro-batch `rows`,
-        W the batch's width; 0 outside the rows' response tokens."""
-        attention_mask = batch["attention_mask"][rows]
-        # Cut the padding columns that no row of this micro-batch uses.
-        used = int(attention_mask.any(0).nonzero().max().item()) + 1
-        width = attention_mask.shape[1]
-        logprobs, entropy = model(
-            input_ids=batch["input_ids"][rows, :used],
-            attention_mask=attention_mask[:, :used],
-            with_entropy=with_entropy,
-            wanted=batch["response_mask"][rows, :used],  # the head on response tokens only
-            groups=self._groups(batch, rows),
+        The loss's batch statistics (CA-GRPO's kernel weights, the Clip-Cov/KL-Cov
+        selections) are fixed once per rollout batch from the proximal (old) policy's
+        log-probs (`token_stats="rollout"`), or recomputed for each mini-batch from the
+        current policy (`"minibatch"`, as verl does with its current log-probs); the loss
+        normalisers are always the mini-batch's, over all ranks.
+
+        `inspect_groups`: prompt groups whose per-token values this step keeps for the token
+        inspector (`take_inspection`); the rank keeps those it holds. `loss_options`: loss
+        options (`LossSpec` fields) set from this step on, e.g. a controller's `cagrpo_kappa`.
+        """
+        start = time.perf_counter()
+        s = self.settings
+        if loss_options:
+            self.loss = as_spec(self.loss, loss_options)
+        batch = self._to_device(check_batch(batch))
+        mask = batch["response_mask"]
+        reducer = RankReducer(self.device)
+        tokens = mask.sum()
+        reducer.sum("learner/tokens", tokens)
+        reducer.sum("learner/responses", mask.shape[0])
+
+        # (1) Proximal pass: the ratio's denominator, and what the loss's statistics are taken on.
+        proximal = self.passes.proximal(batch, single_update=s.ppo_epochs * s.mini_batches == 1)
+        old_logprobs = proximal.logprobs
+        mismatch = (old_logprobs - batch["behavior_logprobs"]).abs()[mask]
+        reducer.mean("logprob/mismatch_mean", mismatch.mean() if tokens else 0.0, tokens)
+        reducer.max("logprob/mismatch_max", mismatch.max() if tokens else 0.0)
+        reducer.mean("entropy/mean", proximal.entropy[mask].mean() if tokens else 0.0, tokens)
+
+        # (2) Off-policy correction: the generator's samples reweighted to the proximal policy.
+        is_weights = None
+        if self.loss.tis_cap is not None:
+            is_weights, tis_metrics = truncated_is_weights(
+                old_logprobs, batch["behavior_logprobs"], mask, self.loss.tis_cap
+            )
+            for name, value in tis_metrics.items():
+                reducer.mean(name, value, tokens)
+
+        # (3) Loss preparation: the group-relative advantages (computed when the groups got
+        # their rewards) and the loss's batch statistics, once over the rollout batch on all
+        # ranks.
+        advantages = batch["advantages"]
+        reducer.mean("reward/mean", batch["rewards"].mean(), mask.shape[0])
+        reducer.mean("advantage/abs_mean", advantages.abs().mean(), mask.shape[0])
+        horizon = self._max_response_length(mask)
+        stats_seed = s.seed * 1_000_003 + self.step
+        rollout_stats = prepare_loss_inputs(
+            self.loss,
+            old_logprobs,
+            advantages,
+            mask,
+            batch["group_ids"],
+            seed=stats_seed,
+            max_response_length=horizon,
+            process_group=data_parallel_group(),
         )
-        logprobs = F.pad(logprobs, (0, width - used))
-        return logprobs, None if entropy is None else F.pad(entropy, (0, width - used))
+        for name, value in rollout_stats.metrics.items():
+            reduce_batch_metric(reducer, name, value, tokens)
 
-    # ----------------------------------------------------------------------------- update
+        # (4) PPO epochs: epochs x mini-batches, each one optimizer step over its micro-batches.
+        lr = float(self.engine.optimizer.param_groups[0]["lr"])
+        inputs = UpdateInputs(
+            batch,
+            old_logprobs,
+            advantages,
+            proximal.ref_logprobs,
+            is_weights,
+            clipped=torch.zeros_like(mask) if inspect_groups else None,
+            rollout_stats=rollout_stats,
+            horizon=horizon,
+            stats_seed=stats_seed,
+            fused=proximal.fused,
+        )
+        updates = ppo_epochs(self.engine, self.passes, self.loss, s, inputs, self.world_size)
+        self.step += 1
+        metrics = reducer.reduce()
+        metrics.update(combine_updates(updates))
+
+        # (5) Inspection: the inspected groups' tokens, and the step's own KL where asked.
+        if inspect_groups:
+            self.inspection = token_records(
+                inputs, inspect_groups, proximal.entropy, rollout_stats, self.loss.name
+            )
+        if s.measure_policy_change:
+            metrics.update(policy_change(self.passes, batch, old_logprobs))
+        metrics.update(
+            {
+                "lr": lr,
+                "learner/step": float(self.step),
+                "learner/updates": float(len(updates)),
+                "time/train_step_s": time.perf_counter() - start,
+            }
+        )
+        return metrics
+
+    def take_inspection(self) -> dict[str, np.ndarray]:
+        """The per-token values the last step kept for the token inspector (and forget them):
+        this rank's rows of the inspected groups, [r, T] arrays aligned with the batch."""
+        records, self.inspection = self.inspection, {}
+        return records
 
     def _max_response_length(self, mask: torch.Tensor) -> int:
         """Dr.GRPO's constant L: the configured one, else the longest response in the batch."""
@@ -224,41 +325,6 @@ class Learner(PPOSteps):
         out["rewards"] = out["rewards"].float()
         out["advantages"] = out["advantages"].float()
         return out
-
-    @torch.no_grad()
-    def _score(self, batch, micro, full: bool = True, ref_only: bool = False):
-        """Recomputed log-probs, token entropies, and reference log-probs (None without a
-        reference policy), each [B, L], under no_grad, micro-batch by micro-batch. With
-        `full=False` only the log-probs (entropy and reference are None); with `ref_only` only
-        the reference's (the others None)."""
-        logprobs = None if ref_only else torch.zeros_like(batch["behavior_logprobs"])
-        entropy = torch.zeros_like(batch["behavior_logprobs"]) if full else None
-        want_ref = (full or ref_only) and self.ref_model is not None
-        ref = torch.zeros_like(batch["behavior_logprobs"]) if want_ref else None
-        for rows in micro:
-            rows = rows if rows.numel() else torch.zeros(1, dtype=torch.long)
-            if not ref_only:
-                values, token_entropy = self._scores(self.engine, batch, rows, full)
-                logprobs[rows] = values
-                if full:
-                    entropy[rows] = token_entropy
-            if ref is not None:
-                ref[rows] = self._scores(self.ref_model, batch, rows, False)[0]
-        return logprobs, entropy, ref
-
-    def _grad_norm_before_step(self) -> float | None:
-        """Stage 0 only: the global norm of the averaged gradients before clipping (ZeRO
-        optimizers report it themselves in `_grad_norm_after_step`)."""
-        if self.zero_stage != 0:
-            return None
-        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-
-    def _grad_norm_after_step(self) -> float:
-        norm = self.engine.get_global_grad_norm()
-        return float(norm) if norm is not None else float("nan")
 
     # ----------------------------------------------------------------------------- weights
 

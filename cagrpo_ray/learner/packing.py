@@ -17,8 +17,8 @@ once instead of n copies taking one each.
 What it costs: attention under an arbitrary mask is dense (every query against every key of
 the packed sequence, L^2 pairs, where a causal padded row of width w has ~w^2/2), so with long
 responses the wasted pairs can cost more than the prompt copies saved. `PackingCost` compares
-the two layouts of a micro-batch by the decoder's multiply-adds and the scorer packs only
-where packing is cheaper. A response's "prompt" is every token before its first scored one
+the two layouts of a micro-batch by the decoder's multiply-adds and `TokenLogprobs` packs only
+where packing is cheaper. A response's "prompt" is every token before its first wanted one
 (`wanted`), which also covers multi-turn rows (tool results inside the response stay in the
 response); rows of a group whose prompts differ are packed separately.
 """
@@ -77,7 +77,7 @@ class Packed:
     input_ids, positions: [G, L]; mask: [G, 1, L, L] bool, True where a query may attend to a
     key; source: [b * w] long, for each token of the row layout (row-major) its index in the
     flattened [G * L] packed layout, -1 for padding and for rows that are not packed (no
-    token scored)."""
+    token wanted)."""
 
     input_ids: Tensor
     positions: Tensor
@@ -102,13 +102,13 @@ def pack_prompts(
     layout (`cost`), or would need a mask over MAX_MASK_ENTRIES."""
     lengths = attention_mask.long().sum(1).tolist()
     b, w = input_ids.shape
-    scored = wanted.any(1).tolist()
+    any_wanted = wanted.any(1).tolist()
     first = torch.where(wanted.any(1), wanted.long().argmax(1), w).clamp(min=1).tolist()
     ids = input_ids.tolist() if input_ids.device.type == "cpu" else input_ids.cpu().tolist()
     units: list[tuple[int, list[int]]] = []  # (prompt length, rows), first row's prompt
     found: dict[tuple[int, int, tuple[int, ...]], int] = {}
     for row, group in enumerate(groups.tolist()):
-        if not scored[row]:
+        if not any_wanted[row]:
             continue
         p = first[row]
         key = (group, p, tuple(ids[row][:p]))
@@ -117,14 +117,14 @@ def pack_prompts(
         else:
             found[key] = len(units)
             units.append((p, [row]))
-    if not units or len(units) == sum(scored):
+    if not units or len(units) == sum(any_wanted):
         return None  # no prompt is shared
     sizes = [p + sum(lengths[r] - p for r in rows) for p, rows in units]
     width, count = max(sizes), len(units)
     if count * width * width > MAX_MASK_ENTRIES:
         return None
     if cost is not None:
-        kept = torch.tensor([lengths[r] for r, s in enumerate(scored) if s])
+        kept = torch.tensor([lengths[r] for r, s in enumerate(any_wanted) if s])
         if cost.packed(count, width) >= cost.padded(kept):
             return None
 

@@ -1,15 +1,76 @@
-"""How one learner rank trains, apart from the loss (which is an `algo.LossSpec`)."""
+"""What one learner rank is told, and the one translation of the config into it: the rank's
+`LearnerSettings` and the loss's `LossSpec` (`learner_settings`, `loss_spec`).
+
+Each default is defined once. A setting copied from a config key takes that key's default
+(`LEARNER_KEYS`; the config is one layer below the roles), and a loss option's config key
+takes the option's default from `LossSpec` (`algo/` imports nothing; config/algorithm.py), so
+no two can disagree (tests/test_settings.py checks it). The values the config does not state
+directly are derived here, where they are used, and the config keeps what the user wrote:
+
+- `algorithm.tis_cap` None: `DEFAULT_TIS_CAP` when the schedule is asynchronous
+  (run.max_staleness > 0), no correction when it is synchronous; 0: no correction.
+- the mini-batches per pass: the rollout batch over `algorithm.mini_batch_size`.
+- Dr.GRPO's constant L: `rollout.max_tokens`; the decay horizon of the lr schedule: `run.steps`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cagrpo_ray.algo.registry import LossSpec
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
+from cagrpo_ray.config import DEFAULT_TIS_CAP, Config
+
+# LearnerSettings field -> the config key whose value (and default) it takes. The other fields
+# are DERIVED from several keys by `learner_settings`, or NOT_IN_CONFIG.
+LEARNER_KEYS = {
+    "zero_stage": "learner.zero_stage",
+    "micro_batch_size": "learner.micro_batch_size",
+    "lr": "algorithm.lr",
+    "warmup_steps": "algorithm.warmup_steps",
+    "lr_schedule": "algorithm.lr_schedule",
+    "min_lr_ratio": "algorithm.min_lr_ratio",
+    "weight_decay": "algorithm.weight_decay",
+    "grad_clip": "algorithm.grad_clip",
+    "temperature": "rollout.temperature",
+    "seed": "run.seed",
+    "dtype": "model.dtype",
+    "gradient_checkpointing": "learner.gradient_checkpointing",
+    "logits_chunk_mib": "learner.logits_chunk_mib",
+    "ppo_epochs": "algorithm.ppo_epochs",
+    "token_stats": "algorithm.token_stats",
+    "measure_policy_change": "algorithm.measure_policy_change",
+    "length_buckets": "learner.length_buckets",
+    "share_prompts": "learner.share_prompts",
+    "dist_timeout_s": "learner.dist_timeout_s",
+}
+DERIVED = ("model_path", "max_response_length", "total_steps", "mini_batches")
+NOT_IN_CONFIG = ("ref_model_path", "num_threads")  # set by tests, benchmarks and the group
+
+# LossSpec field -> the config key whose value it takes: `name` is algorithm.policy_loss, every
+# option algorithm.<option> (tis_cap resolved by `loss_spec`).
+LOSS_KEYS = {"name": "algorithm.policy_loss"} | {
+    option: f"algorithm.{option}" for option in LossSpec.option_names()
+}
+
+
+def config_value(config: Config, key: str):
+    """The value of a dotted config key, e.g. `config_value(config, "algorithm.lr")`."""
+    section, name = key.split(".")
+    return getattr(getattr(config, section), name)
+
+
+def _config_default(field: str):
+    """The default of the config key LearnerSettings field `field` comes from: its one
+    definition."""
+    section, name = LEARNER_KEYS[field].split(".")
+    return Config.model_fields[section].annotation.model_fields[name].default
 
 
 @dataclass(frozen=True)
 class LearnerSettings:
-    """How one learner rank trains, apart from the loss (which is a `LossSpec`).
+    """How one learner rank trains, apart from the loss (which is a `LossSpec`). A setting
+    copied from a config key has that key's default (`LEARNER_KEYS`).
 
     model_path: the policy to start from (a Hugging Face model directory).
     zero_stage: DeepSpeed ZeRO stage 0 to 3.
@@ -28,12 +89,12 @@ class LearnerSettings:
         fp32 gradient accumulation (ZeRO stage 1 and up).
     gradient_checkpointing: recompute each decoder layer in the backward pass instead of
         keeping its activations (non-reentrant; the model stays in train mode, dropout 0).
-    logits_chunk_mib: memory for one chunk of the output head's float32 work (`scorer.py`).
+    logits_chunk_mib: memory for one chunk of the output head's float32 work (`logprobs.py`).
     ppo_epochs: passes over each rollout batch.
     mini_batches: optimizer steps per pass (each over 1 / mini_batches of the batch).
     token_stats: "rollout" (the loss's batch statistics fixed once per rollout batch from the
         old policy) or "minibatch" (recomputed per mini-batch from the current policy).
-    measure_policy_change: score the batch again after the step: KL(before || after).
+    measure_policy_change: one more forward pass of the batch after the step: KL(before || after).
     length_buckets: when a rank's batch fits one micro-batch and the step is one update, its
         training pass runs in this many length-sorted parts (all kept for the backward pass)
         and doubles as the proximal pass.
@@ -45,30 +106,30 @@ class LearnerSettings:
     """
 
     model_path: str
-    zero_stage: int = 2
-    micro_batch_size: int = 32
-    lr: float = 1e-4
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
-    min_lr_ratio: float = 0.0
+    zero_stage: int = _config_default("zero_stage")
+    micro_batch_size: int = _config_default("micro_batch_size")
+    lr: float = _config_default("lr")
+    warmup_steps: int = _config_default("warmup_steps")
+    lr_schedule: str = _config_default("lr_schedule")
+    min_lr_ratio: float = _config_default("min_lr_ratio")
     total_steps: int | None = None
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    temperature: float = 1.0
+    weight_decay: float = _config_default("weight_decay")
+    grad_clip: float = _config_default("grad_clip")
+    temperature: float = _config_default("temperature")
     ref_model_path: str | None = None
     max_response_length: int | None = None
-    seed: int = 0
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-    logits_chunk_mib: float = 1024.0
-    ppo_epochs: int = 1
+    seed: int = _config_default("seed")
+    dtype: str = _config_default("dtype")
+    gradient_checkpointing: bool = _config_default("gradient_checkpointing")
+    logits_chunk_mib: float = _config_default("logits_chunk_mib")
+    ppo_epochs: int = _config_default("ppo_epochs")
     mini_batches: int = 1
-    token_stats: str = "rollout"
-    measure_policy_change: bool = False
-    length_buckets: int = 4
-    share_prompts: bool = True
+    token_stats: str = _config_default("token_stats")
+    measure_policy_change: bool = _config_default("measure_policy_change")
+    length_buckets: int = _config_default("length_buckets")
+    share_prompts: bool = _config_default("share_prompts")
     num_threads: int = 1
-    dist_timeout_s: float = 1800.0
+    dist_timeout_s: float = _config_default("dist_timeout_s")
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -105,3 +166,32 @@ class LearnerSettings:
                 "bfloat16 needs ZeRO stage 1 or more: DeepSpeed accumulates stage 0's "
                 "gradients in bfloat16 only, and the learner accumulates in float32"
             )
+
+
+def tis_cap(config: Config) -> float | None:
+    """The truncated-IS cap the loss uses (see the module docstring); None: no correction."""
+    cap = config.algorithm.tis_cap
+    if cap is None:
+        return DEFAULT_TIS_CAP if config.run.max_staleness > 0 else None
+    return cap or None  # 0: explicitly off
+
+
+def loss_spec(config: Config) -> LossSpec:
+    """The loss and all its options as one typed value, for the learner."""
+    values = {field: config_value(config, key) for field, key in LOSS_KEYS.items()}
+    values["tis_cap"] = tis_cap(config)
+    return LossSpec(**values)
+
+
+def learner_settings(config: Config, model_path: str) -> LearnerSettings:
+    """The learners' `LearnerSettings` (the loss is `loss_spec`), for the policy at
+    `model_path` (the folder every role loads)."""
+    r, a = config.rollout, config.algorithm
+    responses = r.prompts_per_step * r.group_size
+    return LearnerSettings(
+        model_path=model_path,
+        max_response_length=r.max_tokens,
+        total_steps=config.run.steps,
+        mini_batches=responses // (a.mini_batch_size or responses),
+        **{field: config_value(config, key) for field, key in LEARNER_KEYS.items()},
+    )

@@ -128,12 +128,12 @@ def activation_bytes(shape: ModelShape, s: int, rows: int, width: int, checkpoin
 
 
 def logits_bytes(shape: ModelShape, s: int, tokens: int, budget_mib: float) -> int:
-    """The output head's work in backward (learner/scorer.py): one chunk of positions whose
+    """The output head's work in backward (learner/logprobs.py): one chunk of positions whose
     backward holds five float32 [positions, V] tensors (logits, exp(z - logsumexp), the gather's
     gradient and their sum; measured 1.65 x the chunk budget, which counts three) plus, for
     bfloat16, the head's output and its gradient; and the head weight's gradient summed over the
     chunks (autograd's buffer plus one chunk's new gradient, 2 x V x H x s)."""
-    from cagrpo_ray.learner.scorer import chunk_positions  # imports DeepSpeed: only when used
+    from cagrpo_ray.learner.logprobs import chunk_positions  # imports DeepSpeed: only when used
 
     positions = min(tokens, chunk_positions(shape.vocab_size, budget_mib))
     per_position = shape.vocab_size * (20 + (2 * s if s < 4 else 0))

@@ -1,4 +1,4 @@
-"""TokenScorer: log-probs and entropies from chunks of positions equal those of the full
+"""TokenLogprobs: log-probs and entropies from chunks of positions equal those of the full
 logits (float64 reference), with the same gradients, at any chunk size."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cagrpo_ray.learner.scorer import TokenScorer, chunk_positions
+from cagrpo_ray.learner.logprobs import TokenLogprobs, chunk_positions
 from cagrpo_ray.policies.model import random_policy
 
 pytestmark = pytest.mark.unit
@@ -44,9 +44,9 @@ def reference(policy, input_ids, attention, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunks_give_the_full_logits_values_and_gradients(policy, chunk, temperature):
     input_ids, attention = batch(seed=chunk)
-    scorer = TokenScorer(policy, temperature)
-    scorer.chunk = chunk
-    logprobs, entropy = scorer(input_ids, attention, with_entropy=True)
+    forward = TokenLogprobs(policy, temperature)
+    forward.chunk = chunk
+    logprobs, entropy = forward(input_ids, attention, with_entropy=True)
     want_logp, want_entropy = reference(policy, input_ids, attention, temperature)
     valid = attention.bool() & (torch.arange(attention.shape[1]) > 0)
     torch.testing.assert_close(logprobs[valid].double(), want_logp[valid], rtol=1e-5, atol=1e-5)
@@ -81,9 +81,9 @@ def test_wanted_tokens_only_give_the_same_values_and_gradients(policy, chunk):
     g = torch.Generator().manual_seed(chunk)
     starts = torch.randint(1, 4, (input_ids.shape[0],), generator=g)  # prompts of 1-3 tokens
     wanted = attention.bool() & (torch.arange(attention.shape[1]) >= starts[:, None])
-    scorer = TokenScorer(policy, 0.7)
-    scorer.chunk = chunk
-    logprobs, entropy = scorer(input_ids, attention, with_entropy=True, wanted=wanted)
+    forward = TokenLogprobs(policy, 0.7)
+    forward.chunk = chunk
+    logprobs, entropy = forward(input_ids, attention, with_entropy=True, wanted=wanted)
     want_logp, want_entropy = reference(policy, input_ids, attention, 0.7)
     torch.testing.assert_close(logprobs[wanted].double(), want_logp[wanted], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(entropy[wanted].double(), want_entropy[wanted], rtol=1e-5, atol=1e-5)
@@ -102,5 +102,5 @@ def test_wanted_tokens_only_give_the_same_values_and_gradients(policy, chunk):
         )
 
     nothing = torch.zeros_like(wanted)
-    logprobs, _ = scorer(input_ids, attention, wanted=nothing)
+    logprobs, _ = forward(input_ids, attention, wanted=nothing)
     assert logprobs.requires_grad and torch.all(logprobs == 0)

@@ -1,8 +1,8 @@
-"""The policy as token scores: log-probs and entropies of the tokens a batch holds.
+"""The policy as token log-probs: log-probs and entropies of the tokens a batch holds.
 
 A causal LM's forward returns logits for every position, [b, w, V]: for the GPU recipes (V =
 152k, 4 x 5,120 tokens per micro-batch) that is 12 GB in bf16 before the float32 softmax, and
-more in the backward pass. `TokenScorer` runs the decoder once, then the output head and the
+more in the backward pass. `TokenLogprobs` runs the decoder once, then the output head and the
 softmax over chunks of positions; with gradient, each chunk is recomputed in the backward pass
 (activation checkpointing), so only one chunk's logits are alive at a time:
 
@@ -14,7 +14,7 @@ softmax over chunks of positions; with gradient, each chunk is recomputed in the
 Values are "at the token": column t holds log p(input_ids[t] | input_ids[:t]); column 0 is 0.
 The head runs on every position of a chunk (the last column's value is dropped), so a batch
 that fits one chunk computes exactly what `model(...).logits` followed by a log-softmax would.
-With `wanted` (the tokens whose scores are used: a learner's response tokens), the head runs
+With `wanted` (the tokens whose log-probs are used: a learner's response tokens), the head runs
 only on the positions that predict them, and every other column is 0: the prompt and the
 padding cost the decoder's work but not the head's (as TRL's `logits_to_keep` does). On
 SmolLM2-135M the head is about a fifth of a forward pass's FLOPs, and a rank's step with ~70
@@ -41,11 +41,11 @@ def chunk_positions(vocab_size: int, budget_mib: float) -> int:
     return max(1, int(budget_mib * 2**20 // (_FLOAT32_COPIES * 4 * vocab_size)))
 
 
-class TokenScorer(torch.nn.Module):
+class TokenLogprobs(torch.nn.Module):
     """Wraps a Hugging Face causal LM (`policy`, kept as a submodule) so that its forward
     returns token log-probs and, optionally, entropies instead of logits.
 
-    temperature: the sampling temperature the scores are of; budget_mib: memory for one chunk
+    temperature: the sampling temperature the log-probs are of; budget_mib: memory for one chunk
     of float32 logits work (`chunk_positions`).
     """
 
@@ -67,7 +67,7 @@ class TokenScorer(torch.nn.Module):
         groups: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """input_ids, attention_mask: [b, w], right-padded; wanted: [b, w] bool, the tokens
-        whose scores are computed (None: all); groups: [b] prompt group ids, with which rows
+        whose log-probs are computed (None: all); groups: [b] prompt group ids, with which rows
         that share a prompt run it once (`packing.pack_prompts`, where that costs less).
         Returns ([b, w] float32 log-probs at the token, [b, w] float32 entropies of the
         distribution each token was drawn from or None); both 0 in column 0 and at every
@@ -151,17 +151,17 @@ class TokenScorer(torch.nn.Module):
         return logprob, logz - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-def keep_head_gathered(scorer: TokenScorer) -> None:
+def keep_head_gathered(module: TokenLogprobs) -> None:
     """Under ZeRO-3 (after `deepspeed.initialize`): keep the output head's weight gathered for
-    the scorer's whole pass. ZeRO-3 gathers a module's parameters when it runs and releases
+    the module's whole pass. ZeRO-3 gathers a module's parameters when it runs and releases
     them after; the head runs once per chunk of positions, so it would be all-gathered once a
     chunk (tests/test_learner.py counts it: as many releases as head calls). As an external
-    parameter of the scorer it is gathered when the scorer's forward (and backward) starts
+    parameter of the module it is gathered when its forward (and backward) starts
     and released when it ends."""
     import deepspeed
 
-    head = scorer.policy.get_output_embeddings()
-    deepspeed.zero.register_external_parameter(scorer, head.weight)
+    head = module.policy.get_output_embeddings()
+    deepspeed.zero.register_external_parameter(module, head.weight)
 
 
 def _scattered(values: Tensor, keep: Tensor | None, n: int) -> Tensor:
