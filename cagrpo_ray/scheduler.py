@@ -45,14 +45,14 @@ import numpy as np
 import ray
 import torch
 
-from cagrpo_ray.algo.controllers import KappaController
+from cagrpo_ray.algo.recipe import Recipe
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
+from cagrpo_ray.rollout.batch_metrics import rollout_metrics
 from cagrpo_ray.rollout.buffer import RolloutBuffer, group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
 from cagrpo_ray.rollout.requeue import PromptChunk, Requeue
-from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
 from cagrpo_ray.rollout.types import SamplingConfig
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
@@ -131,12 +131,8 @@ class Scheduler:
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
         self.overlong_penalized = 0
-        a = config.algorithm
-        self.kappa_controller = (
-            KappaController(a.cagrpo_kappa, a.kappa_entropy_band, a.kappa_rate, a.kappa_range)
-            if a.kappa_control == "entropy"
-            else None
-        )
+        r = config.rollout
+        self.recipe = Recipe(config.algorithm.recipe_spec(r.group_size, r.max_tokens))
 
     # ------------------------------------------------------------------- state
 
@@ -151,7 +147,7 @@ class Scheduler:
             "policy_version": self.policy_version,
             "requeue": self.requeue.state(pending),
             "next_group_id": self.next_group_id,
-            "kappa_controller": self.kappa_controller and self.kappa_controller.state(),
+            "controllers": self.recipe.state(),
         }
 
     def restore(self, state: dict) -> None:
@@ -159,8 +155,7 @@ class Scheduler:
         self.policy_version = state["policy_version"]
         next_id = state.get("next_group_id", self.step * self.config.rollout.prompts_per_step)
         self.requeue, self.next_group_id = Requeue.from_state(state.get("requeue", []), next_id)
-        if self.kappa_controller is not None and state.get("kappa_controller"):
-            self.kappa_controller = KappaController.from_state(state["kappa_controller"])
+        self.recipe.restore(state.get("controllers", {}))
 
     def start(self) -> None:
         """Form the weight-sync group and serve the learner's weights from the first step."""
@@ -197,21 +192,23 @@ class Scheduler:
 
         # (2) Train on it; the learner runs its pending weight send first (actor order).
         batch = to_learner_batch(table, pad_token_id=self.tokenizer.pad_token_id)
-        if cfg.algorithm.overlong == "mask":  # truncated responses carry no loss
-            truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
-            batch["response_mask"][torch.from_numpy(truncated)] = False
+        truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
+        batch["response_mask"] = self.recipe.token_mask(
+            batch["response_mask"], torch.from_numpy(truncated)
+        )
+        batch["advantages"] = self.recipe.batch_advantages(
+            batch["advantages"], batch["response_mask"]
+        )
         staleness = self.policy_version - batch["policy_version"]
         inspect = self._groups_to_inspect(batch)
-        control = self.kappa_controller
-        options = {"cagrpo_kappa": control.kappa} if control is not None else None
+        options = self.recipe.loss_options()
         self.learn_refs = self.learners.submit_train_step(batch, inspect, options)
         while self._pending(self.learn_refs):
             self._pump(wait_on=self.learn_refs)
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
-        if control is not None:  # this step's kappa, then the next step's from its entropy
-            learner_metrics["cagrpo/kappa"] = options["cagrpo_kappa"]
-            control.update(learner_metrics["entropy/mean"])
+        # this step's loss options, then the next step's from its metrics
+        learner_metrics.update(self.recipe.observe(learner_metrics))
         t_trained = time.perf_counter()
         self.step += 1
         self.policy_version = self.step
@@ -418,15 +415,14 @@ class Scheduler:
         self.unparsed += sum(not r.parsed for r in results)
         self.scored_responses += len(results)
         lengths = [len(c.token_ids) for group in groups for c in group]
-        scored = score_groups(
-            results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens
-        )
-        self.overlong_penalized += scored.penalized
+        outcome = self.recipe.assess_groups([r.reward for r in results], lengths)
+        correct = [bool(r.correct) for r in results]
+        self.overlong_penalized += outcome.reshaped
         for k, (index, group_id, group) in enumerate(
             zip(chunk.indices, chunk.group_ids, groups, strict=True)
         ):
             self.scored_since_batch += 1
-            if not scored.keep[k]:
+            if not outcome.keep[k]:
                 self.filtered_groups += 1  # all rewards equal: no signal (dynamic sampling)
                 continue
             sl = slice(k * g, (k + 1) * g)
@@ -435,16 +431,17 @@ class Scheduler:
                     self.train_source[index].uid,
                     group_id,
                     group,
-                    scored.rewards[sl].tolist(),
-                    scored.correct[sl],
-                    scored.advantages[sl].tolist(),
+                    outcome.rewards[sl].tolist(),
+                    correct[sl],
+                    outcome.advantages[sl].tolist(),
                 )
             )
 
     def _check_dynamic_sampling(self) -> None:
         """Stop, rather than generate forever, when too few groups carry a signal."""
         a, P = self.config.algorithm, self.config.rollout.prompts_per_step
-        if a.dynamic_sampling and self.scored_since_batch >= a.max_gen_batches * P:
+        limit = self.recipe.groups_assessed_limit(P)
+        if limit is not None and self.scored_since_batch >= limit:
             raise DynamicSamplingError(
                 f"dynamic sampling: {self.scored_since_batch} groups were scored for learner "
                 f"step {self.step + 1} and only {len(self.buffer)} of the {P} needed had "

@@ -1,4 +1,5 @@
-"""group_advantages against a plain float64 reference (GRPO and Dr.GRPO)."""
+"""The advantage-estimator registry (algo/advantages.py): every estimator against a plain float64
+reference on fresh random rewards."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from cagrpo_ray.algo.advantages import group_advantages
+from cagrpo_ray.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    batch_advantages,
+    group_advantages,
+    register_advantage_estimator,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -15,6 +21,7 @@ REWARD = st.one_of(st.sampled_from([0.0, 1.0, 0.5]), st.floats(-10, 10, width=32
 
 
 def reference_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
+    """GRPO (std_normalize) and Dr.GRPO, group by group in plain Python floats."""
     out = []
     for start in range(0, len(rewards), group_size):
         group = [float(r) for r in rewards[start : start + group_size]]
@@ -34,12 +41,12 @@ def reference_advantages(rewards, group_size, std_normalize=True, eps=1e-6):
             st.just(g), arrays(np.float32, st.integers(1, 4).map(lambda n: n * g), elements=REWARD)
         )
     ),
-    st.booleans(),
+    st.sampled_from(["grpo", "dr_grpo"]),
 )
-def test_matches_reference(group_and_rewards, std_normalize):
+def test_matches_reference(group_and_rewards, estimator):
     group_size, rewards = group_and_rewards
-    got = group_advantages(torch.from_numpy(rewards), group_size, std_normalize=std_normalize)
-    want = reference_advantages(rewards, group_size, std_normalize)
+    got = group_advantages(torch.from_numpy(rewards), group_size, estimator)
+    want = reference_advantages(rewards, group_size, std_normalize=estimator == "grpo")
     assert got.dtype == torch.float32
     assert torch.isfinite(got).all()
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
@@ -57,7 +64,7 @@ def test_grpo_uses_unbiased_std_and_dr_grpo_does_not_divide():
     std = rewards.std()  # unbiased, 0.5
     expected = (rewards - 0.25) / (std + 1e-6)
     torch.testing.assert_close(group_advantages(rewards, 4), expected)
-    torch.testing.assert_close(group_advantages(rewards, 4, std_normalize=False), rewards - 0.25)
+    torch.testing.assert_close(group_advantages(rewards, 4, "dr_grpo"), rewards - 0.25)
 
 
 def test_group_of_one_and_float64():
@@ -70,3 +77,22 @@ def test_group_of_one_and_float64():
 def test_rejects_incomplete_groups(rewards, group_size):
     with pytest.raises(ValueError, match="group_size"):
         group_advantages(rewards, group_size)
+
+
+def test_an_unknown_estimator_names_the_known_ones():
+    with pytest.raises(ValueError, match="'nope' is not one of grpo, dr_grpo"):
+        group_advantages(torch.zeros(4), 2, "nope")
+
+
+def test_a_registered_estimator_is_one_function_and_one_name():
+    @register_advantage_estimator("test_max_baseline")
+    def max_baseline(rewards):
+        return rewards - rewards.max(dim=1, keepdim=True).values
+
+    try:
+        got = group_advantages(torch.tensor([1.0, 3.0, 2.0, 0.0]), 2, "test_max_baseline")
+        assert got.tolist() == [-2.0, 0.0, 0.0, -2.0]
+        mask = torch.ones(4, 3, dtype=torch.bool)
+        assert batch_advantages(got, mask, "test_max_baseline") is got  # no batch stage
+    finally:
+        del ADVANTAGE_ESTIMATORS["test_max_baseline"]

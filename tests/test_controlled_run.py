@@ -45,10 +45,11 @@ def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
 
     # the final checkpoint carries the controller; a restored scheduler continues with it
     state = json.loads((trainer.ckpt_root / f"step_{STEPS:06d}" / STATE_FILE).read_text())
-    assert KappaController.from_state(state["kappa_controller"]).state() == replay.state()
+    saved = state["controllers"]["kappa_entropy"]
+    assert KappaController.from_state(saved).state() == replay.state()
     restored = Scheduler(config, *[None] * 8)
     restored.restore(state)
-    assert restored.kappa_controller.state() == replay.state()
+    assert restored.recipe.controllers["kappa_entropy"].state() == replay.state()
 
 
 def test_evaluation_at_each_temperature_and_on_the_harder_split(controlled_run):
