@@ -96,3 +96,37 @@ def test_a_registered_estimator_is_one_function_and_one_name():
         assert batch_advantages(got, mask, "test_max_baseline") is got  # no batch stage
     finally:
         del ADVANTAGE_ESTIMATORS["test_max_baseline"]
+
+
+def reference_rloo(rewards, group_size):
+    """RLOO as its definition: r_i minus the mean of the other rewards of its group."""
+    out = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start : start + group_size]]
+        for i, r in enumerate(group):
+            others = [group[j] for j in range(len(group)) if j != i]
+            out.append(r - sum(others) / len(others))
+    return np.array(out)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 8).flatmap(
+        lambda g: st.tuples(
+            st.just(g), arrays(np.float32, st.integers(1, 4).map(lambda n: n * g), elements=REWARD)
+        )
+    )
+)
+def test_rloo_matches_its_definition(group_and_rewards):
+    group_size, rewards = group_and_rewards
+    got = group_advantages(torch.from_numpy(rewards).double(), group_size, "rloo")
+    assert got.dtype == torch.float64
+    np.testing.assert_allclose(got.numpy(), reference_rloo(rewards, group_size), atol=1e-12)
+    # a group whose rewards are all equal has no signal
+    equal = np.repeat(rewards[:1], group_size)
+    assert not group_advantages(torch.from_numpy(equal), group_size, "rloo").any()
+
+
+def test_rloo_needs_two_responses_per_group():
+    with pytest.raises(ValueError, match="'rloo' needs groups of at least 2"):
+        group_advantages(torch.zeros(3), 1, "rloo")

@@ -6,6 +6,7 @@ of a [num_groups, G] float64 tensor, to one advantage per response:
     grpo     A_i = (r_i - mean(r)) / (std(r) + eps)   std unbiased (ddof=1), as torch.std
              (GRPO, Shao et al. 2024)
     dr_grpo  A_i =  r_i - mean(r)                      (Dr.GRPO, Liu et al. 2025)
+    rloo     A_i =  r_i - sum_{j != i} r_j / (G - 1)   (RLOO, Ahmadian et al. 2024), G > 1
 
 The advantage is one number per response; the losses broadcast it to the response's tokens.
 The advantages are computed when a chunk's groups are assessed (`recipe.py`), so an estimator
@@ -86,6 +87,14 @@ def dr_grpo(rewards: Tensor) -> Tensor:
     """Dr.GRPO: A_i = r_i - mean(r), no std division (which biases towards groups whose
     rewards barely differ, Liu et al. 2025)."""
     return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+@register_advantage_estimator("rloo", min_group_size=2)
+def rloo(rewards: Tensor) -> Tensor:
+    """RLOO: each response's baseline is the mean reward of the other G - 1 responses to its
+    prompt, so A_i does not depend on r_i through the baseline (an unbiased estimate)."""
+    others = rewards.sum(dim=1, keepdim=True) - rewards
+    return rewards - others / (rewards.shape[1] - 1)
 
 
 def group_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo") -> Tensor:
