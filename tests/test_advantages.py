@@ -130,3 +130,75 @@ def test_rloo_matches_its_definition(group_and_rewards):
 def test_rloo_needs_two_responses_per_group():
     with pytest.raises(ValueError, match="'rloo' needs groups of at least 2"):
         group_advantages(torch.zeros(3), 1, "rloo")
+
+
+def reference_reinforce_pp(rewards, group_size, tokens):
+    """REINFORCE++-baseline over a learner batch, in plain floats: each response's reward
+    minus its group's mean (no baseline for a group of one), then normalised by the mean and
+    population std of the values its trained tokens carry (`tokens[i]` of them)."""
+    centred = []
+    for start in range(0, len(rewards), group_size):
+        group = [float(r) for r in rewards[start : start + group_size]]
+        baseline = sum(group) / len(group) if len(group) > 1 else 0.0
+        centred += [r - baseline for r in group]
+    per_token = [a for a, n in zip(centred, tokens, strict=True) for _ in range(int(n))]
+    mean = sum(per_token) / len(per_token)
+    var = sum((a - mean) ** 2 for a in per_token) / len(per_token)
+    return np.array([(a - mean) / max(var, 1e-8) ** 0.5 for a in centred])
+
+
+@pytest.mark.parametrize("trial", range(30))
+def test_reinforce_pp_normalises_over_the_learner_batch_however_it_was_assessed(trial):
+    """Groups are assessed chunk by chunk as their rewards come back; the batch stage runs on
+    the batch the learner trains on, so the advantages do not depend on the chunks."""
+    from cagrpo_ray.algo.recipe import Recipe
+    from cagrpo_ray.config import Config
+
+    rng = np.random.default_rng()  # fresh inputs every run
+    groups, size, T = int(rng.integers(1, 9)), int(rng.integers(1, 9)), int(rng.integers(1, 30))
+    rewards = rng.choice([0.0, 1.0, 0.25, float(rng.normal())], size=groups * size)
+    rewards = rewards.astype(np.float32)
+    mask = torch.from_numpy(rng.random((groups * size, T)) < rng.uniform(0.2, 1.0))
+    mask[int(rng.integers(groups * size))] = True  # at least one trained token
+    truncated = torch.from_numpy(rng.random(groups * size) < 0.2)
+    algorithm = Config().algorithm.model_copy(
+        update={"advantage_estimator": "reinforce_pp", "overlong": "mask"}
+    )
+    recipe = Recipe(algorithm.recipe_spec(size, 64))
+    cuts = sorted(
+        rng.choice(np.arange(1, groups), size=int(rng.integers(0, groups)), replace=False)
+    )
+    chunks = np.split(np.arange(groups), cuts)  # the chunks the groups were assessed in
+    assessed = np.concatenate(
+        [
+            recipe.assess_groups(
+                rewards[c[0] * size : (c[-1] + 1) * size].tolist(), [1] * len(c) * size
+            ).advantages
+            for c in chunks
+        ]
+    )
+    trained = recipe.token_mask(mask, truncated)
+    got = recipe.batch_advantages(torch.from_numpy(assessed), trained)
+    assert got.dtype == torch.float32
+    tokens = trained.sum(1).numpy()
+    if tokens.sum() == 0:  # every trained token was masked: nothing to normalise over
+        np.testing.assert_array_equal(got.numpy(), assessed)
+        return
+    want = reference_reinforce_pp(rewards, size, tokens)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+    # over the trained tokens, the advantages have mean 0 and (unless all equal) variance 1
+    per_token = np.repeat(got.numpy().astype(np.float64), tokens)
+    assert abs(per_token.mean()) < 1e-5
+    assert per_token.var() == pytest.approx(1.0, abs=1e-4) or per_token.var() < 1e-8
+
+
+def test_reinforce_pp_group_stage_is_the_mean_baseline_and_only_it_has_a_batch_stage():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 3.0], dtype=torch.float64)
+    group = group_advantages(rewards, 4, "reinforce_pp")
+    assert group.tolist() == [0.75, -0.25, -0.25, -0.25, -0.25, -0.25, -0.25, 0.75]
+    assert torch.equal(group_advantages(rewards, 1, "reinforce_pp"), rewards)  # no baseline
+    mask = torch.ones(8, 3, dtype=torch.bool)
+    normalised = batch_advantages(group.float(), mask, "reinforce_pp")
+    assert normalised.std(unbiased=False).item() == pytest.approx(1.0, abs=1e-6)
+    for name in ("grpo", "dr_grpo", "rloo"):
+        assert batch_advantages(group, mask, name) is group

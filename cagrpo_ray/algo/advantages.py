@@ -7,6 +7,10 @@ of a [num_groups, G] float64 tensor, to one advantage per response:
              (GRPO, Shao et al. 2024)
     dr_grpo  A_i =  r_i - mean(r)                      (Dr.GRPO, Liu et al. 2025)
     rloo     A_i =  r_i - sum_{j != i} r_j / (G - 1)   (RLOO, Ahmadian et al. 2024), G > 1
+    reinforce_pp                                       (REINFORCE++-baseline, Hu et al. 2025)
+             a_i =  r_i - mean(r)                      group stage (G = 1: a_i = r_i)
+             A_i = (a_i - mu) / sqrt(max(var, 1e-8))   batch stage, mu and var over every
+                                                       token trained in the learner batch
 
 The advantage is one number per response; the losses broadcast it to the response's tokens.
 The advantages are computed when a chunk's groups are assessed (`recipe.py`), so an estimator
@@ -95,6 +99,39 @@ def rloo(rewards: Tensor) -> Tensor:
     prompt, so A_i does not depend on r_i through the baseline (an unbiased estimate)."""
     others = rewards.sum(dim=1, keepdim=True) - rewards
     return rewards - others / (rewards.shape[1] - 1)
+
+
+VARIANCE_FLOOR = 1e-8
+
+
+def batch_normalise(advantages: Tensor, mask: Tensor) -> Tensor:
+    """REINFORCE++'s batch stage: A_i = (a_i - mu) / sqrt(max(var, 1e-8)), with mu and var the
+    token-weighted mean and population variance of a over the batch's trained tokens
+
+        mu = sum_i n_i a_i / N,   var = sum_i n_i (a_i - mu)^2 / N,   N = sum_i n_i
+
+    (n_i the trained tokens of response i, after the token masks): every token of response i
+    carries a_i, and the statistics are those of the tokens, as OpenRLHF and verl take them.
+    advantages: [B]; mask: [B, T] bool. Returns [B] in the dtype of `advantages`. A batch
+    without a trained token is returned as it is (nothing trains on it)."""
+    tokens = mask.sum(dim=1).to(torch.float64)  # n_i
+    total = tokens.sum()
+    if total == 0:
+        return advantages
+    a = advantages.detach().to(torch.float64)
+    mean = (tokens * a).sum() / total
+    var = (tokens * (a - mean) ** 2).sum() / total
+    return ((a - mean) * var.clamp(min=VARIANCE_FLOOR).rsqrt()).to(advantages.dtype)
+
+
+@register_advantage_estimator("reinforce_pp", batch=batch_normalise)
+def reinforce_pp(rewards: Tensor) -> Tensor:
+    """REINFORCE++-baseline's group stage: the group's mean reward as the baseline (none for a
+    group of one: plain REINFORCE++), no std division; the batch stage then normalises over
+    the learner batch, not over each group, which is what sets it apart from GRPO."""
+    if rewards.shape[1] == 1:
+        return rewards.clone()
+    return rewards - rewards.mean(dim=1, keepdim=True)
 
 
 def group_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo") -> Tensor:
