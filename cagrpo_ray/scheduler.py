@@ -31,13 +31,13 @@ import numpy as np
 import ray
 import torch
 
-from cagrpo_ray.algo.controllers import KappaController
+from cagrpo_ray.algo.recipe import Recipe
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
+from cagrpo_ray.rollout.batch_metrics import rollout_metrics
 from cagrpo_ray.rollout.buffer import group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
-from cagrpo_ray.rollout.scoring import rollout_metrics, score_groups
 from cagrpo_ray.schedule import ChunkStart, Schedule, ScheduleSettings
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 from cagrpo_ray.types import SamplingConfig
@@ -99,12 +99,8 @@ class Scheduler:
         self.scored_responses = 0
         self.spanning_loads = 0  # responses generated across a weight load (in-flight mode)
         self.overlong_penalized = 0
-        a = config.algorithm
-        self.kappa_controller = (
-            KappaController(a.cagrpo_kappa, a.kappa_entropy_band, a.kappa_rate, a.kappa_range)
-            if a.kappa_control == "entropy"
-            else None
-        )
+        r = config.rollout
+        self.recipe = Recipe(config.algorithm.recipe_spec(r.group_size, r.max_tokens))
 
     @property
     def step(self) -> int:
@@ -114,16 +110,14 @@ class Scheduler:
     # ------------------------------------------------------------------- state
 
     def save(self, directory) -> None:
-        """The schedule's state, the buffered groups and the kappa controller's state, into
-        the checkpoint `directory` (taken with the learner idle)."""
-        control = self.kappa_controller
-        self.schedule.save(directory, {"kappa_controller": control and control.state()})
+        """The schedule's state, the buffered groups and the controllers' state (`algo/recipe.py`),
+        into the checkpoint `directory` (taken with the learner idle)."""
+        self.schedule.save(directory, {"controllers": self.recipe.state()})
 
     def load(self, directory) -> None:
         """Continue from what `save` wrote into `directory`."""
         state = self.schedule.load(directory)
-        if self.kappa_controller is not None:
-            self.kappa_controller = KappaController.from_state(state["kappa_controller"])
+        self.recipe.restore(state["controllers"])
 
     def start(self) -> None:
         """Form the weight-sync group and serve the learner's weights from the first step."""
@@ -150,13 +144,16 @@ class Scheduler:
 
         # (2) Train on it; the learner runs its pending weight send first (actor order).
         batch = to_learner_batch(table, pad_token_id=self.tokenizer.pad_token_id)
-        if cfg.algorithm.overlong == "mask":  # truncated responses carry no loss
-            truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
-            batch["response_mask"][torch.from_numpy(truncated)] = False
+        truncated = np.asarray(table.column("finish_reason").to_pylist()) == "length"
+        batch["response_mask"] = self.recipe.token_mask(
+            batch["response_mask"], torch.from_numpy(truncated)
+        )
+        batch["advantages"] = self.recipe.batch_advantages(
+            batch["advantages"], batch["response_mask"]
+        )
         staleness = schedule.step - batch["policy_version"]
         inspect = self._groups_to_inspect(batch)
-        control = self.kappa_controller
-        options = {"cagrpo_kappa": control.kappa} if control is not None else None
+        options = self.recipe.loss_options()
         self.learn_refs = self.learners.submit_train_step(batch, inspect, options)
         schedule.step_started()
         while self._pending(self.learn_refs):
@@ -164,9 +161,8 @@ class Scheduler:
         learner_metrics = self.learners.collect(self.learn_refs, "train_step")[0]
         self.learn_refs = []
         schedule.step_trained()
-        if control is not None:  # this step's kappa, then the next step's from its entropy
-            learner_metrics["cagrpo/kappa"] = options["cagrpo_kappa"]
-            control.update(learner_metrics["entropy/mean"])
+        # this step's loss options, then the next step's from its metrics
+        learner_metrics.update(self.recipe.observe(learner_metrics))
         t_trained = time.perf_counter()
         if inspect:
             kept = self.learners.inspection()
@@ -326,15 +322,14 @@ class Scheduler:
         self.unparsed += sum(not r.parsed for r in results)
         self.scored_responses += len(results)
         lengths = [len(c.token_ids) for group in groups for c in group]
-        scored = score_groups(
-            results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens
-        )
-        self.overlong_penalized += scored.penalized
+        outcome = self.recipe.assess_groups([r.reward for r in results], lengths)
+        correct = [bool(r.correct) for r in results]
+        self.overlong_penalized += outcome.reshaped
         records = []
         for k, (index, group_id, group) in enumerate(
             zip(chunk.indices, chunk.group_ids, groups, strict=True)
         ):
-            if not scored.keep[k]:  # all rewards equal: no signal (dynamic sampling)
+            if not outcome.keep[k]:  # no signal: filtered (dynamic sampling)
                 records.append(None)
                 continue
             sl = slice(k * g, (k + 1) * g)
@@ -343,9 +338,9 @@ class Scheduler:
                     self.train_source[index].uid,
                     group_id,
                     group,
-                    scored.rewards[sl].tolist(),
-                    scored.correct[sl],
-                    scored.advantages[sl].tolist(),
+                    outcome.rewards[sl].tolist(),
+                    correct[sl],
+                    outcome.advantages[sl].tolist(),
                 )
             )
         self.schedule.chunk_scored(chunk, records)

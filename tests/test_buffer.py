@@ -100,7 +100,7 @@ def test_bad_groups_are_rejected_with_their_id():
 def test_environment_tokens_are_context_in_the_learner_batch_and_counted_apart():
     """A multi-turn row's tool-result tokens sit in `input_ids` and `attention_mask` (the
     policy reads them) but not in `response_mask` (nothing trains on them)."""
-    from cagrpo_ray.rollout.scoring import rollout_metrics
+    from cagrpo_ray.rollout.batch_metrics import rollout_metrics
 
     rng = np.random.default_rng()  # fresh inputs every run
     completions, masks = [], []

@@ -221,3 +221,31 @@ def test_few_shot_turns_go_between_the_instruction_and_the_problem(smollm2_dir):
     assert system < example < question and text.endswith("<|im_start|>assistant\n")
     with pytest.raises(ConfigError, match=r"data.few_shot\[0\]"):
         load_config(None, ["data.few_shot=[{role: tool, content: x}]"])
+
+
+def test_advantage_estimators_come_from_the_registry_and_describe_lists_them(capsys):
+    from cagrpo_ray.algo.advantages import ADVANTAGE_ESTIMATORS
+
+    assert Config().algorithm.advantage_estimator == "grpo"
+    config = load_config(None, ["algorithm.advantage_estimator=dr_grpo"])
+    assert config.algorithm.recipe_spec(8, 64).advantage_estimator == "dr_grpo"
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.advantage_estimator=ppo"])
+    allowed = ", ".join(ADVANTAGE_ESTIMATORS)
+    assert f"algorithm.advantage_estimator: 'ppo' is not one of {allowed}" in str(err.value)
+    assert main(["--describe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (line,) = [line for line in lines if line.startswith("algorithm.advantage_estimator =")]
+    assert line.endswith(f"One of: {allowed}.")
+    (line,) = [line for line in lines if line.startswith("algorithm.policy_loss =")]
+    assert line.endswith("One of: grpo, cagrpo, clip_cov, kl_cov.")
+
+
+def test_the_old_std_normalize_key_names_its_replacement(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("algorithm:\n  std_normalize: false\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "algorithm.std_normalize is replaced by algorithm.advantage_estimator" in message
+    assert "false is dr_grpo" in message

@@ -15,6 +15,7 @@ import pytest
 from short_run import CONFIG, EVAL_SIZE, HARD_SIZE, KAPPA_BAND, KAPPA_RATE, STEPS
 
 from cagrpo_ray.algo.controllers import KappaController
+from cagrpo_ray.algo.recipe import Recipe
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.schedule import STATE_FILE, Schedule, ScheduleSettings
@@ -43,12 +44,18 @@ def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
         replay.update(record["entropy/mean"])
     assert len({r["cagrpo/kappa"] for r in records}) > 1  # the narrow band made it move
 
-    # the final checkpoint carries the controller; a schedule restored from it continues
+    # the final checkpoint carries the controller; a schedule and a recipe restored from it
+    # continue with it
     checkpoint = trainer.ckpt_root / f"step_{STEPS:06d}"
     state = json.loads((checkpoint / STATE_FILE).read_text())
-    assert KappaController.from_state(state["kappa_controller"]).state() == replay.state()
+    saved = state["controllers"]["kappa_entropy"]
+    assert KappaController.from_state(saved).state() == replay.state()
     restored = Schedule(ScheduleSettings.from_config(config, config.data.train_size))
     assert restored.load(checkpoint) == state and restored.step == STEPS
+    r = config.rollout
+    recipe = Recipe(config.algorithm.recipe_spec(r.group_size, r.max_tokens))
+    recipe.restore(state["controllers"])
+    assert recipe.controllers["kappa_entropy"].state() == replay.state()
 
 
 def test_evaluation_at_each_temperature_and_on_the_harder_split(controlled_run):

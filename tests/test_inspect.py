@@ -320,6 +320,16 @@ def test_tokens_chosen_by_kl_cov_are_marked():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize(
+    "loss, colouring", [("cagrpo", "w"), ("grpo", "c"), ("kl_cov", "c"), ("not_registered", "c")]
+)
+def test_the_page_colours_by_what_the_loss_shows_first(loss, colouring):
+    table, _ = synthetic_step()
+    page = render_page(table, METADATA | {"policy_loss": loss}, [3])
+    assert re.findall(r"<option value=(\w+) selected>", page) == [colouring]
+
+
+@pytest.mark.unit
 def test_the_page_is_offline_and_escapes_every_text():
     table, _ = synthetic_step()
     page = render_page(table, METADATA, [3, 7])

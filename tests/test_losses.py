@@ -791,3 +791,69 @@ def test_options_reach_the_loss_through_the_spec():
     assert large.metrics["policy/loss"] - small.metrics["policy/loss"] == pytest.approx(
         extra, rel=1e-4
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# What the token inspector shows: the loss's own clip rule and per-token fields
+# ------------------------------------------------------------------------------------------------
+
+
+@HYPOTHESIS
+@given(batches(), st.sampled_from(LOSSES), CLIP_RATIO_C)
+def test_clipped_tokens_are_the_losses_clip_rule(b, name, clip_ratio_c):
+    """A token is clipped where its effective advantage w_t A_i > 0 and r_t > 1 + eps_high, or
+    w_t A_i < 0 and r_t < 1 - eps_low (float64 here); KL-Cov does not clip."""
+    new, old, adv, mask, gid = as_torch(b)
+    eps_low, eps_high = 0.2, 0.28
+    options = {"clip_eps_low": eps_low, "clip_eps_high": eps_high, "clip_ratio_c": clip_ratio_c}
+    out = policy_loss(name, new, old, adv, mask, gid, seed=3, **options)
+    if name == "kl_cov":
+        assert out.clipped is None
+        return
+    prepared = prepare_loss_inputs(name, old, adv, mask, gid, seed=3, **options)
+    weight = np.ones(b["mask"].shape)
+    if prepared.token_weights is not None:
+        weight = prepared.token_weights.double().numpy()
+    effective = b["adv"].astype(np.float64)[:, None] * weight
+    ratio = np.exp(b["new"].astype(np.float64) - b["old"].astype(np.float64))
+    want = b["mask"] & (
+        ((effective > 0) & (ratio > 1 + eps_high)) | ((effective < 0) & (ratio < 1 - eps_low))
+    )
+    # float32 and float64 may disagree on a ratio within rounding of a clip bound
+    near = (np.abs(ratio - (1 + eps_high)) < 1e-5) | (np.abs(ratio - (1 - eps_low)) < 1e-5)
+    got = out.clipped.numpy()
+    assert got.dtype == np.bool_ and got.shape == b["mask"].shape
+    np.testing.assert_array_equal(got[~near], want[~near])
+    n = max(int(b["mask"].sum()), 1)
+    assert out.metrics["policy/clip_frac"] == pytest.approx(got.sum() / n)
+
+
+def test_each_loss_shows_its_own_token_fields():
+    from cagrpo_ray.algo.losses import INSPECTOR_FIELDS, shown_field, token_fields
+
+    rng = np.random.default_rng()  # fresh inputs every run
+    B, T = 8, 40
+    old = torch.from_numpy(rng.normal(-2, 1, (B, T)).astype(np.float32))
+    adv = torch.from_numpy(rng.normal(0, 1, B).astype(np.float32))
+    mask = torch.from_numpy(rng.random((B, T)) < 0.8)
+    gid = torch.arange(B) // 4
+    options = {"clip_cov_ratio": 0.2, "kl_cov_ratio": 0.2, "clip_cov_lb": -1e9, "clip_cov_ub": 1e9}
+    shown = {}
+    for name in LOSSES:
+        prepared = prepare_loss_inputs(name, old, adv, mask, gid, seed=5, **options)
+        shown[name] = token_fields(LossSpec(name, **options), prepared, mask)
+        assert set(shown[name]) == set(INSPECTOR_FIELDS)
+        if name == "cagrpo":
+            assert torch.equal(shown[name]["weight"], prepared.token_weights)
+        if name == "clip_cov":
+            assert torch.equal(shown[name]["clip_cov"], (prepared.token_weights == 0) & mask)
+            assert shown[name]["clip_cov"].any()
+        if name == "kl_cov":
+            assert torch.equal(shown[name]["kl_cov"], prepared.kl_penalty > 0)
+            assert shown[name]["kl_cov"].any()
+    present = {name: {k for k, v in got.items() if v is not None} for name, got in shown.items()}
+    assert present == {
+        "grpo": set(), "cagrpo": {"weight"}, "clip_cov": {"clip_cov"}, "kl_cov": {"kl_cov"}
+    }  # fmt: skip
+    assert [shown_field(name) for name in LOSSES] == ["cov", "weight", "cov", "cov"]
+    assert shown_field("a_loss_from_another_program") == "cov"

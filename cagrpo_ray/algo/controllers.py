@@ -1,4 +1,10 @@
-"""Controllers that set a loss option step by step from what the run measures.
+"""Controllers that set a loss option step by step from what the run measures, behind one
+registry.
+
+A controller is built from the recipe's options (`register_controller(name)`: `fn(spec:
+RecipeSpec) -> controller`) and has four methods: `loss_options()`, the `LossSpec` options
+the next learner step uses; `observe(metrics)`, which takes that step's learner metrics and
+returns what to log beside them; `state()` and `from_state(state)` for checkpoints.
 
 `KappaController` steers CA-GRPO's kernel width kappa (`LossSpec.cagrpo_kappa`) to hold the
 policy's token entropy within a band around its starting value:
@@ -20,7 +26,20 @@ step is measured on its batch before the update).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+
+CONTROLLERS: dict[str, Callable] = {}
+
+
+def register_controller(name: str):
+    """Register `fn(spec: RecipeSpec) -> controller` (see the module docstring) under `name`."""
+
+    def decorator(fn: Callable) -> Callable:
+        CONTROLLERS[name] = fn
+        return fn
+
+    return decorator
 
 
 @dataclass
@@ -55,6 +74,16 @@ class KappaController:
         self.kappa = min(highest, max(lowest, self.kappa * math.exp(direction * self.rate)))
         return self.kappa
 
+    def loss_options(self) -> dict[str, float]:
+        """The next step's options: its kernel width."""
+        return {"cagrpo_kappa": self.kappa}
+
+    def observe(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Step t's learner metrics in (its mean token entropy); t's kappa out, to log."""
+        used = self.kappa
+        self.update(metrics["entropy/mean"])
+        return {"cagrpo/kappa": used}
+
     def state(self) -> dict:
         return asdict(self)
 
@@ -63,3 +92,11 @@ class KappaController:
         state = dict(state)
         state["band"], state["kappa_range"] = tuple(state["band"]), tuple(state["kappa_range"])
         return cls(**state)
+
+
+@register_controller("kappa_entropy")
+def kappa_entropy(spec) -> KappaController:
+    """CA-GRPO's kappa held to an entropy band (`algorithm.kappa_control: entropy`)."""
+    return KappaController(
+        spec.cagrpo_kappa, spec.kappa_entropy_band, spec.kappa_rate, spec.kappa_range
+    )

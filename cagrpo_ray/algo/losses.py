@@ -122,9 +122,11 @@ from cagrpo_ray.algo.kl_penalty import KL_ESTIMATORS, kl_estimate
 from cagrpo_ray.algo.off_policy import weight_gradient
 from cagrpo_ray.algo.registry import (
     CAGRPO_KERNELS,
+    INSPECTOR_FIELDS,
     POLICY_LOSSES,
     LossInputs,
     LossSpec,
+    TokenLoss,
     as_spec,
     lookup_loss,
     register_policy_loss,
@@ -137,10 +139,12 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "BatchInputs",
+    "INSPECTOR_FIELDS",
     "LossInputs",
     "LossSpec",
     "PolicyLossOutput",
     "PreparedLoss",
+    "TokenLoss",
     "TokenStats",
     "aggregate",
     "cagrpo_token_weights",
@@ -150,12 +154,13 @@ __all__ = [
     "prepare_loss_inputs",
     "register_policy_loss",
     "token_covariance",
+    "token_fields",
 ]
 
 LOG_RATIO_LIMIT = 20.0  # |log r| is clamped here (as verl does), so exp never overflows
 
 
-def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
+def ppo_clip(x: LossInputs, advantages: Tensor) -> TokenLoss:
     """PPO-clip with asymmetric range (DAPO clip-higher) and dual-clip, per token:
 
         L_t = max(-A_t r_t, -A_t clip(r_t, 1 - eps_low, 1 + eps_high))
@@ -170,7 +175,8 @@ def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float
 
     `advantages` is [B, 1] or [B, T]. Metrics, as fractions of the valid tokens: the clip
     active (no gradient), split into r_t > 1 + eps_high (A > 0) and r_t < 1 - eps_low (A < 0);
-    and the dual clip binding.
+    and the dual clip binding. The tokens where the clip is active are returned too (the
+    token inspector's "clipped").
     """
     unclipped = -advantages * x.ratio
     eps_low, eps_high = x.spec.clip_eps_low, x.spec.clip_eps_high
@@ -188,7 +194,7 @@ def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float
     with torch.no_grad():  # off the mask r_t = 1, so neither clip is ever active there
         active = torch.gt(clipped, unclipped)
         count = float(active.sum())
-        high = float(active.logical_and_(x.ratio > 1.0).sum())
+        high = float(active.logical_and(x.ratio > 1.0).sum())
         n = max(x.num_valid, 1.0)
         metrics = {
             "policy/clip_frac": count / n,
@@ -196,35 +202,51 @@ def ppo_clip(x: LossInputs, advantages: Tensor) -> tuple[Tensor, dict[str, float
             "policy/clip_frac_low": (count - high) / n,
             "policy/dual_clip_frac": 0.0 if dual_bound is None else float(dual_bound.sum()) / n,
         }
-    return token_loss, metrics
+    return TokenLoss(token_loss, metrics, active)
+
+
+# What each loss shows in the token inspector, beside what every loss has (covariance, entropy,
+# log-probs, the clip): CA-GRPO its kernel weights, Clip-Cov and KL-Cov the tokens they chose.
+def kernel_weight_field(prepared: PreparedLoss, mask: Tensor) -> dict[str, Tensor]:
+    return {"weight": prepared.token_weights}
+
+
+def clip_cov_field(prepared: PreparedLoss, mask: Tensor) -> dict[str, Tensor]:
+    return {"clip_cov": prepared.token_weights.eq(0) & mask.bool()}
+
+
+def kl_cov_field(prepared: PreparedLoss, mask: Tensor) -> dict[str, Tensor]:
+    return {"kl_cov": prepared.kl_penalty.gt(0)}
 
 
 @register_policy_loss("grpo")
-def grpo(x: LossInputs) -> tuple[Tensor, dict[str, float]]:
+def grpo(x: LossInputs) -> TokenLoss:
     """GRPO / DAPO: PPO-clip on the response advantage A_i."""
     return ppo_clip(x, x.advantages)
 
 
-@register_policy_loss("cagrpo", statistics=cagrpo_statistics)
-def cagrpo(x: LossInputs) -> tuple[Tensor, dict[str, float]]:
+@register_policy_loss(
+    "cagrpo", statistics=cagrpo_statistics, token_fields=kernel_weight_field, shows="weight"
+)
+def cagrpo(x: LossInputs) -> TokenLoss:
     """CA-GRPO: PPO-clip with A_i replaced by the constant w~_t * A_i."""
     return ppo_clip(x, x.advantages * x.prepared.token_weights)
 
 
-@register_policy_loss("clip_cov", statistics=clip_cov_statistics)
-def clip_cov(x: LossInputs) -> tuple[Tensor, dict[str, float]]:
+@register_policy_loss("clip_cov", statistics=clip_cov_statistics, token_fields=clip_cov_field)
+def clip_cov(x: LossInputs) -> TokenLoss:
     """Clip-Cov: PPO-clip, with the selected tokens' surrogate set to 0 (weight 0)."""
     return ppo_clip(x, x.advantages * x.prepared.token_weights)
 
 
-@register_policy_loss("kl_cov", statistics=kl_cov_statistics)
-def kl_cov(x: LossInputs) -> tuple[Tensor, dict[str, float]]:
+@register_policy_loss("kl_cov", statistics=kl_cov_statistics, token_fields=kl_cov_field)
+def kl_cov(x: LossInputs) -> TokenLoss:
     """KL-Cov: L_t = -A_i r_t + kl_cov_coef * |log r_t| on the selected tokens (no clipping)."""
     penalty = x.prepared.kl_penalty * x.log_ratio.abs()
     with torch.no_grad():
         n = max(float(x.prepared.kl_penalty.mul(x.mask).sum()), 1.0)
         metrics = {"kl_cov/abs_log_ratio": float(penalty.sum()) / n}
-    return -x.advantages * x.ratio + x.spec.kl_cov_coef * penalty, metrics
+    return TokenLoss(-x.advantages * x.ratio + x.spec.kl_cov_coef * penalty, metrics)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,6 +324,7 @@ def prepare_loss_inputs(
 class PolicyLossOutput:
     loss: Tensor  # scalar, with gradient
     metrics: dict[str, float]
+    clipped: Tensor | None = None  # [B, T] bool: the loss's clip held the ratio (None: no clip)
 
 
 def policy_loss(
@@ -380,7 +403,7 @@ def policy_loss(
         logp, log_ratio, ratio, advantages.detach().to(torch.float32)[:, None], m, n, prepared,
         spec,
     )  # fmt: skip
-    token_loss, metrics = registered.token_loss(x)
+    token_loss, metrics, clipped = TokenLoss(*registered.token_loss(x))
     pg_loss = aggregate(token_loss, m, spec.loss_agg, prepared)
     loss = pg_loss
     safe_n = max(n, 1.0)
@@ -412,4 +435,19 @@ def policy_loss(
             "advantages (and ref_logprobs / entropy) for NaN or inf on valid tokens"
         )
     metrics.update(prepared.metrics)
-    return PolicyLossOutput(loss, metrics)
+    return PolicyLossOutput(loss, metrics, clipped)
+
+
+def token_fields(spec: LossSpec | str, prepared: PreparedLoss, mask: Tensor) -> dict:
+    """What loss `spec` shows the token inspector, from the batch's `prepared` statistics:
+    every field of `INSPECTOR_FIELDS`, a [B, T] tensor where the loss has one, else None
+    (the inspector's default: weight 1, not selected). `mask`: [B, T] bool."""
+    name = spec if isinstance(spec, str) else spec.name
+    fields = lookup_loss(name).token_fields(prepared, mask)
+    return {field: fields.get(field) for field in INSPECTOR_FIELDS}
+
+
+def shown_field(policy_loss: str) -> str:
+    """The inspector column the page colours the tokens of `policy_loss` by at first ("cov"
+    for a loss this process does not know, e.g. one registered by another program)."""
+    return POLICY_LOSSES[policy_loss].shows if policy_loss in POLICY_LOSSES else "cov"

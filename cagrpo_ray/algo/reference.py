@@ -28,14 +28,14 @@ import torch
 SIGMA_FLOOR = 1e-8
 
 
-def group_advantages(rewards: np.ndarray, group_size: int, std_normalize: bool = True):
-    """A_i = (r_i - mean(r)) / (std(r) + 1e-6) over each group of `group_size` (ddof = 1);
-    Dr.GRPO (std_normalize=False) keeps only r_i - mean(r)."""
+def group_advantages(rewards: np.ndarray, group_size: int, estimator: str = "grpo"):
+    """GRPO: A_i = (r_i - mean(r)) / (std(r) + 1e-6) over each group of `group_size`
+    (ddof = 1); Dr.GRPO (estimator "dr_grpo") keeps only r_i - mean(r)."""
     out = np.zeros(len(rewards))
     for start in range(0, len(rewards), group_size):
         r = np.asarray(rewards[start : start + group_size], dtype=np.float64)
         centred = r - r.mean()
-        if std_normalize:
+        if estimator == "grpo":
             std = r.std(ddof=1) if len(r) > 1 else 0.0
             centred = centred / (std + 1e-6)
         out[start : start + group_size] = centred

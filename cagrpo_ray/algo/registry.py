@@ -3,14 +3,17 @@
 `LossSpec` holds every option of every loss (the config's `algorithm` section, field by field:
 `learner/settings.py`); `register_policy_loss` adds a loss under a name, which is then
 an allowed `algorithm.policy_loss`. A registered loss sees one micro-batch as `LossInputs` and
-returns its per-token loss [B, T] and metrics; the losses themselves are in `losses.py`, which
-registers them when `cagrpo_ray.algo` is imported.
+returns its per-token loss [B, T] and metrics (and, if it clips the ratio, which tokens its
+clip held); the losses themselves are in `losses.py`, which registers them when
+`cagrpo_ray.algo` is imported. A loss also says what the token inspector shows of it: its
+per-token fields (`INSPECTOR_FIELDS`) and the record column the page colours by default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 from torch import Tensor
 
@@ -117,28 +120,56 @@ class LossInputs:
     spec: LossSpec  # the loss's options
 
 
-TokenLossFn = Callable[[LossInputs], tuple[Tensor, dict[str, float]]]
+class TokenLoss(NamedTuple):
+    """What a registered loss returns; a plain (loss, metrics) pair is one without clipping."""
+
+    loss: Tensor  # [B, T] per-token loss
+    metrics: dict[str, float]
+    clipped: Tensor | None = None  # [B, T] bool: the loss's clip held the ratio (no gradient)
+
+
+# The per-token fields a loss may show in the token inspector (inspect/records.py columns):
+# CA-GRPO's kernel weight w~ (float), and the tokens Clip-Cov / KL-Cov selected (bool).
+INSPECTOR_FIELDS = ("weight", "clip_cov", "kl_cov")
+
+TokenLossFn = Callable[[LossInputs], TokenLoss | tuple[Tensor, dict[str, float]]]
 StatisticsFn = Callable[[BatchInputs], TokenStats]
+TokenFieldsFn = Callable[[PreparedLoss, Tensor], dict[str, Tensor]]
+
+
+def no_token_fields(prepared: PreparedLoss, mask: Tensor) -> dict[str, Tensor]:
+    return {}
 
 
 @dataclass(frozen=True)
 class RegisteredLoss:
     token_loss: TokenLossFn
     statistics: StatisticsFn
+    token_fields: TokenFieldsFn
+    shows: str  # the inspector column the page colours by default
 
 
 POLICY_LOSSES: dict[str, RegisteredLoss] = {}
 
 
-def register_policy_loss(name: str, statistics: StatisticsFn = no_statistics):
-    """Register `fn(x: LossInputs) -> (per-token loss [B, T], metrics)` under `name`.
+def register_policy_loss(
+    name: str,
+    statistics: StatisticsFn = no_statistics,
+    token_fields: TokenFieldsFn = no_token_fields,
+    shows: str = "cov",
+):
+    """Register `fn(x: LossInputs) -> (per-token loss [B, T], metrics[, clipped [B, T]])`
+    under `name`.
 
     `statistics(b: BatchInputs) -> TokenStats` computes what the loss needs from the whole
     batch (e.g. token weights); it runs once per batch in `prepare_loss_inputs`.
+    `token_fields(prepared, mask [B, T]) -> {field: [B, T]}` gives the inspector the loss's
+    own per-token values (keys from `INSPECTOR_FIELDS`), and `shows` the inspector column
+    (e.g. "weight", "cov") its page colours the tokens by at first.
     """
 
     def decorator(fn: TokenLossFn) -> TokenLossFn:
-        POLICY_LOSSES[name] = RegisteredLoss(fn, statistics)
+        POLICY_LOSSES[name] = RegisteredLoss(fn, statistics, token_fields, shows)
         return fn
 
     return decorator

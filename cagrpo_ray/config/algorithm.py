@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from cagrpo_ray.algo.advantages import ADVANTAGE_ESTIMATORS
 from cagrpo_ray.algo.losses import (
     CAGRPO_KERNELS,
     KL_ESTIMATORS,
@@ -15,6 +16,7 @@ from cagrpo_ray.algo.losses import (
     POLICY_LOSSES,
     LossSpec,
 )
+from cagrpo_ray.algo.recipe import RecipeSpec
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.algo.stats import SCOPES
 from cagrpo_ray.config.section import Section
@@ -92,7 +94,11 @@ class AlgorithmConfig(Section):
         description="KL-Cov: coefficient of |log r| (the authors' code and verl's recipes use 1; "
         "verl's dataclass default is 0.1).",
     )
-    std_normalize: bool = Field(True, description="GRPO std normalisation (False: Dr.GRPO).")
+    advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = Field(  # the registry's names
+        "grpo",
+        description="How a response's advantage comes from its group's rewards, from the "
+        "registry in cagrpo_ray.algo.advantages (docs/extending.md).",
+    )
     clip_eps_low: float = Field(LossSpec.clip_eps_low, ge=0, description="PPO clip range below 1.")
     clip_eps_high: float = Field(
         LossSpec.clip_eps_high, ge=0, description="PPO clip range above 1 (DAPO: 0.28)."
@@ -192,6 +198,16 @@ class AlgorithmConfig(Section):
         1.0, ge=0, description="Overlong penalty: its size at rollout.max_tokens."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data):
+        if isinstance(data, dict) and "std_normalize" in data:
+            raise ValueError(
+                "algorithm.std_normalize is replaced by algorithm.advantage_estimator: "
+                "std_normalize true is advantage_estimator grpo, false is dr_grpo"
+            )
+        return data
+
     @model_validator(mode="after")
     def _kappa_controlled(self) -> AlgorithmConfig:
         low, high = self.kappa_entropy_band
@@ -212,3 +228,22 @@ class AlgorithmConfig(Section):
                 f"policy_loss is {self.policy_loss!r} (use cagrpo, or kappa_control: off)"
             )
         return self
+    def recipe_spec(self, group_size: int, max_tokens: int) -> RecipeSpec:
+        """What is trained besides the loss (`algo/recipe.py`): the registry entries these
+        fields select, with their options; `group_size` and `max_tokens` are the rollout's."""
+        return RecipeSpec(
+            group_size=group_size,
+            max_tokens=max_tokens,
+            advantage_estimator=self.advantage_estimator,
+            overlong_buffer_len=self.overlong_buffer_len,
+            overlong_penalty_factor=self.overlong_penalty_factor,
+            max_gen_batches=self.max_gen_batches,
+            cagrpo_kappa=self.cagrpo_kappa,
+            kappa_entropy_band=self.kappa_entropy_band,
+            kappa_rate=self.kappa_rate,
+            kappa_range=self.kappa_range,
+            reward_shaping=("overlong_penalty",) if self.overlong == "penalty" else (),
+            group_filters=("dynamic_sampling",) if self.dynamic_sampling else (),
+            token_masks=("overlong",) if self.overlong == "mask" else (),
+            controllers=("kappa_entropy",) if self.kappa_control == "entropy" else (),
+        )

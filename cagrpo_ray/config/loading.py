@@ -126,7 +126,8 @@ def to_yaml(config: Config) -> str:
 
 
 def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[str]:
-    """One line per field: dotted key, default and description (for `--describe`)."""
+    """One line per field: dotted key, default and description, and the allowed values of a
+    field that has a fixed set (the algorithm's registries among them), for `--describe`."""
     lines = []
     for name, field in model.model_fields.items():
         annotation = field.annotation
@@ -134,7 +135,10 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[s
             lines += describe_fields(annotation, f"{prefix}{name}.")
             continue
         default = field.get_default(call_default_factory=True)
-        lines.append(f"{prefix}{name} = {default!r}  # {field.description}")
+        line = f"{prefix}{name} = {default!r}  # {field.description}"
+        if typing.get_origin(annotation) is typing.Literal:  # e.g. a registry's names
+            line += f" One of: {', '.join(map(str, typing.get_args(annotation)))}."
+        lines.append(line)
     return lines
 
 

@@ -57,7 +57,7 @@ def capture_step(
         prompt_texts=[tokenizer.decode(prompt_ids[int(r)]) for r in rows],
         rewards=table.column("reward").to_numpy()[rows],
         correct=table.column("correct").to_numpy(zero_copy_only=False)[rows],
-        advantages=table.column("advantage").to_numpy()[rows],
+        advantages=batch["advantages"].numpy()[rows],  # as trained (after any batch stage)
         policy_version=table.column("policy_version").to_numpy()[rows],
         finish_reason=[table.column("finish_reason")[int(r)].as_py() for r in rows],
         token_ids=input_ids,

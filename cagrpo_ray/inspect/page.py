@@ -36,6 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 
+from cagrpo_ray.algo.losses import shown_field
 from cagrpo_ray.inspect.assets import PAGE_CSS, PAGE_JS
 from cagrpo_ray.inspect.figures import (
     COLOURINGS,
@@ -78,7 +79,9 @@ def render_page(
     flat = {column: flat_values(table, column) for column in ("cov", "weight")}
     thresholds = tail_thresholds(flat["cov"])
     title = f"step {step} · {metadata.get('run_name', '')} · token inspector"
-    default = "w" if metadata.get("policy_loss") == "cagrpo" else "c"
+    # the loss says which of its values the tokens are coloured by first
+    shown = shown_field(str(metadata.get("policy_loss")))
+    default = next((key for key, c in COLOURINGS.items() if c[0] == shown), "c")
     parts = [
         "<!DOCTYPE html><html lang=en><head><meta charset=utf-8>",
         f'<meta http-equiv="Content-Security-Policy" content="{OFFLINE_POLICY}">',

@@ -30,7 +30,13 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from cagrpo_ray.algo import LossSpec, lr_factor, prepare_loss_inputs, truncated_is_weights
+from cagrpo_ray.algo import (
+    LossSpec,
+    lr_factor,
+    prepare_loss_inputs,
+    token_fields,
+    truncated_is_weights,
+)
 from cagrpo_ray.algo.registry import as_spec
 from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch
 from cagrpo_ray.learner.distributed import (
@@ -290,8 +296,9 @@ class Learner:
 
         # (5) Inspection: the inspected groups' tokens, and the step's own KL where asked.
         if inspect_groups:
+            shown = token_fields(self.loss, rollout_stats, mask)
             self.inspection = token_records(
-                inputs, inspect_groups, proximal.entropy, rollout_stats, self.loss.name
+                inputs, inspect_groups, proximal.entropy, rollout_stats, shown
             )
         if s.measure_policy_change:
             metrics.update(policy_change(self.passes, batch, old_logprobs))

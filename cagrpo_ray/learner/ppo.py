@@ -100,8 +100,8 @@ def update(
             prepared=prepared.rows(within),
         )
         step_loss = out.loss * 0.0 if padding else out.loss
-        if inputs.clipped is not None and not padding:  # for the token inspector
-            inputs.clipped[at] = _clipped(loss, logprobs, inputs, at)
+        if inputs.clipped is not None and out.clipped is not None and not padding:
+            inputs.clipped[at] = out.clipped  # the loss's own clip rule, for the inspector
         if not padding:
             for name, value in out.metrics.items():
                 if name not in prepared.metrics and name != "entropy/mean":
@@ -152,15 +152,6 @@ def reduce_batch_metric(reducer: RankReducer, name: str, value: float, tokens) -
         reducer.max(name, value)
     else:
         reducer.mean(name, value, tokens)
-
-
-def _clipped(loss: LossSpec, logprobs, inputs: UpdateInputs, at) -> torch.Tensor:
-    """[r, T] bool: tokens whose PPO ratio is clipped in this update (no gradient)."""
-    ratio = torch.exp(logprobs.detach() - inputs.old_logprobs[at])
-    advantage = inputs.advantages[at][:, None]
-    high = (ratio > 1.0 + loss.clip_eps_high) & (advantage > 0)
-    low = (ratio < 1.0 - loss.clip_eps_low) & (advantage < 0)
-    return (high | low) & inputs.batch["response_mask"][at]
 
 
 def mini_batches(group_ids: torch.Tensor, count: int) -> list[torch.Tensor]:
@@ -252,28 +243,30 @@ def combine_updates(updates: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def token_records(inputs: UpdateInputs, groups, entropy, stats, loss: str) -> dict:
+def token_records(inputs: UpdateInputs, groups, entropy, stats, shown: dict) -> dict:
     """The inspected groups' rows of this rank: per-token learner log-probs, entropy,
-    covariance, kernel weight (1 for other losses), Clip-Cov / KL-Cov selections, IS weight
-    and whether the ratio was clipped, as numpy arrays."""
+    covariance, what the loss shows (`algo.token_fields`: kernel weight, Clip-Cov / KL-Cov
+    selections; None where it has none), IS weight and whether the ratio was clipped, as
+    numpy arrays."""
     batch = inputs.batch
     rows = torch.isin(batch["group_ids"], torch.as_tensor(groups, device=batch["group_ids"].device))
     if not bool(rows.any()):
         return {}
-    mask = batch["response_mask"][rows]
 
     def pick(values):
         return None if values is None else values[rows].detach().float().cpu().numpy()
 
-    weights = stats.token_weights
+    def flag(values):
+        return None if values is None else values[rows].cpu().numpy()
+
     return {
         "group_ids": batch["group_ids"][rows].cpu().numpy(),
         "logprob": pick(inputs.old_logprobs),
         "entropy": pick(entropy),
         "cov": pick(stats.covariance),
-        "weight": pick(weights) if loss == "cagrpo" else None,
-        "clip_cov": (pick(weights) == 0) & mask.cpu().numpy() if loss == "clip_cov" else None,
-        "kl_cov": pick(stats.kl_penalty) > 0 if stats.kl_penalty is not None else None,
+        "weight": pick(shown["weight"]),
+        "clip_cov": flag(shown["clip_cov"]),
+        "kl_cov": flag(shown["kl_cov"]),
         "is_weight": pick(inputs.is_weights),
         "clipped": inputs.clipped[rows].cpu().numpy(),
     }
