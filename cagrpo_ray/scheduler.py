@@ -408,7 +408,8 @@ class Scheduler:
         texts = [c.text for group in groups for c in group]
         per_sample = [it for it in items for _ in range(self.config.rollout.group_size)]
         self.tokens_generated += sum(len(c.token_ids) for group in groups for c in group)
-        self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample)] = (chunk, groups)
+        ids = [c.token_ids for group in groups for c in group]  # TRL-style reward functions
+        self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample, ids)] = (chunk, groups)
 
     def _on_scored(self, ref) -> None:
         chunk, groups = self.reward_refs.pop(ref)

@@ -140,7 +140,7 @@ class Trainer:
 
         from cagrpo_ray.learner.group import LearnerGroup
         from cagrpo_ray.policies.build import resolve_policy
-        from cagrpo_ray.rewards import RewardFunction
+        from cagrpo_ray.rewards import RewardFunction, load_reward_functions
 
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -161,6 +161,11 @@ class Trainer:
             len(self.eval_items),
         )
 
+        # imported and signature-checked here, so that a bad one stops the run before it trains
+        functions = {
+            name: function.spec
+            for name, function in load_reward_functions(cfg.reward.functions).items()
+        }
         reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
         self.reward_pool = reward_actor.options(
             runtime_env={"env_vars": actor_env(self.log_dir, "reward")}
@@ -168,6 +173,8 @@ class Trainer:
             weights=cfg.reward.weights,
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
+            functions=functions,
+            on_error=cfg.reward.on_error,
         )
         # Memory and layout are checked, then every actor's GPUs and CPUs are reserved (or the
         # layout refused), before any actor starts.
@@ -243,6 +250,7 @@ class Trainer:
 
     def _sources(self):
         from cagrpo_ray.data.files import FilePromptSource
+        from cagrpo_ray.data.prompts import check_prompt_lengths
         from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 
         d = self.config.data
@@ -261,10 +269,20 @@ class Trainer:
             question_column=d.question_column,
             answer_column=d.answer_column,
             on_bad_row=d.on_bad_row,
+            format=d.format,
         )
         train = FilePromptSource(d.path, **kwargs)
         held_out = FilePromptSource(d.eval_path, **kwargs)
-        return train, list(held_out.iter_from(0))[: d.eval_size]
+        eval_items = list(held_out.iter_from(0))[: d.eval_size]
+        for source, items in ((train, train), (held_out, eval_items)):
+            check_prompt_lengths(
+                items,
+                self.tokenizer,
+                prompt_preamble(d),
+                self.config.rollout.max_model_len,
+                source.where,
+            )
+        return train, eval_items
 
     def _hard_items(self) -> list:
         """The harder held-out split (eval.hard_config), or [] when there is none. Its config
