@@ -127,6 +127,7 @@ class Scheduler:
         self.verifier_errors = 0
         self.unparsed = 0  # scored responses in which the task verifier found no answer
         self.scored_responses = 0
+        self.component_sums: dict[str, float] = {}  # reward functions' own components, summed
         self.spanning_loads = 0  # responses generated across a weight load (in-flight mode)
         self.filtered_groups = 0  # dropped by dynamic sampling (all rewards equal)
         self.scored_since_batch = 0  # groups scored toward the next batch
@@ -177,6 +178,7 @@ class Scheduler:
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, self.buffer.dropped_stale
         unparsed_before, responses_before = self.unparsed, self.scored_responses
+        components_before = dict(self.component_sums)
         spanning_before = self.spanning_loads
         filtered_before, penalized_before = self.filtered_groups, self.overlong_penalized
 
@@ -269,6 +271,9 @@ class Scheduler:
                 "tokens/generated": generated,
             }
         )
+        scored = max(1, self.scored_responses - responses_before)
+        for name, total in self.component_sums.items():  # e.g. reward/gsm8k/strict_format
+            metrics[f"reward/{name}"] = (total - components_before.get(name, 0.0)) / scored
         if cfg.rollout.weight_update == "in_flight":
             metrics["rollout/spanning_load_fraction"] = (
                 self.spanning_loads - spanning_before
@@ -418,6 +423,10 @@ class Scheduler:
         self.verifier_errors += sum(r.error is not None for r in results)
         self.unparsed += sum(not r.parsed for r in results)
         self.scored_responses += len(results)
+        for result in results:
+            for name, value in result.components.items():
+                if "/" in name:  # a reward function's dict: its keys besides the score
+                    self.component_sums[name] = self.component_sums.get(name, 0.0) + value
         lengths = [len(c.token_ids) for group in groups for c in group]
         scored = score_groups(
             results, lengths, g, self.config.algorithm, self.config.rollout.max_tokens
