@@ -162,10 +162,7 @@ class Trainer:
         )
 
         # imported and signature-checked here, so that a bad one stops the run before it trains
-        functions = {
-            name: function.spec
-            for name, function in load_reward_functions(cfg.reward.functions).items()
-        }
+        functions = {n: f.spec for n, f in load_reward_functions(cfg.reward.functions).items()}
         reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
         self.reward_pool = reward_actor.options(
             runtime_env={"env_vars": actor_env(self.log_dir, "reward")}
@@ -249,8 +246,7 @@ class Trainer:
         self.scheduler.start()
 
     def _sources(self):
-        from cagrpo_ray.data.files import FilePromptSource
-        from cagrpo_ray.data.prompts import check_prompt_lengths
+        from cagrpo_ray.data.files import file_sources
         from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 
         d = self.config.data
@@ -265,24 +261,7 @@ class Trainer:
                 exclude_sizes=self._held_out_exclusions(),
             )
             return train, list(held_out.iter_from(0))
-        kwargs = dict(
-            question_column=d.question_column,
-            answer_column=d.answer_column,
-            on_bad_row=d.on_bad_row,
-            format=d.format,
-        )
-        train = FilePromptSource(d.path, **kwargs)
-        held_out = FilePromptSource(d.eval_path, **kwargs)
-        eval_items = list(held_out.iter_from(0))[: d.eval_size]
-        for source, items in ((train, train), (held_out, eval_items)):
-            check_prompt_lengths(
-                items,
-                self.tokenizer,
-                prompt_preamble(d),
-                self.config.rollout.max_model_len,
-                source.where,
-            )
-        return train, eval_items
+        return file_sources(d, self.tokenizer, self.config.rollout.max_model_len)
 
     def _hard_items(self) -> list:
         """The harder held-out split (eval.hard_config), or [] when there is none. Its config

@@ -264,3 +264,22 @@ def test_a_prompt_past_max_model_len_is_reported_with_file_row_and_length(tmp_pa
     assert str(error.value).startswith("2 prompts")
     assert f"line 2: {length} tokens" in str(error.value)
     assert "line 1" not in str(error.value)
+
+
+def test_file_sources_from_the_data_section_check_both_files(tmp_path):
+    from cagrpo_ray.config.sections import DataConfig
+    from cagrpo_ray.data.files import file_sources
+
+    train = write_jsonl(tmp_path / "train.jsonl", [{"input": "1+1?", "label": "2"}] * 3)
+    held_out = write_jsonl(
+        tmp_path / "test.jsonl",
+        [{"input": "2+2?", "label": "4"}, {"input": "9" * 50, "label": "9"}],
+    )
+    data = DataConfig(source="file", path=str(train), eval_path=str(held_out),
+                      instruction="none", eval_size=1)  # fmt: skip
+    source, eval_items = file_sources(data, ChatTokenizer(), 40)
+    assert source.format == "openrlhf" and len(source) == 3
+    assert [i.answer for i in eval_items] == ["4"]  # the long row is past eval_size
+    data.eval_size = 2
+    with pytest.raises(PromptTooLongError, match=r"test\.jsonl, line 2: 71 tokens"):
+        file_sources(data, ChatTokenizer(), 40)

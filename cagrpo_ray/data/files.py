@@ -33,6 +33,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from cagrpo_ray.data.prompts import check_prompt_lengths, prompt_preamble
 from cagrpo_ray.data.types import IndexedSource, PromptItem
 
 log = logging.getLogger(__name__)
@@ -290,3 +291,22 @@ class FilePromptSource(IndexedSource):
         if not isinstance(answer, str):
             return bad(f"answer {self.answer_column!r} is {type(answer).__name__}, not str")
         return None
+
+
+def file_sources(data, tokenizer, max_model_len: int) -> tuple[FilePromptSource, list[PromptItem]]:
+    """The training source and the held-out items (the first `data.eval_size`) that a run's
+    `data` config section names, each prompt checked to fit `max_model_len` tokens with
+    `tokenizer`'s chat template (`check_prompt_lengths`)."""
+    options = dict(
+        question_column=data.question_column,
+        answer_column=data.answer_column,
+        on_bad_row=data.on_bad_row,
+        format=data.format,
+    )
+    train = FilePromptSource(data.path, **options)
+    held_out = FilePromptSource(data.eval_path, **options)
+    eval_items = list(held_out.iter_from(0))[: data.eval_size]
+    preamble = prompt_preamble(data)
+    for source, items in ((train, train), (held_out, eval_items)):
+        check_prompt_lengths(items, tokenizer, preamble, max_model_len, source.where)
+    return train, eval_items
