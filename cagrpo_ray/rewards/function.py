@@ -146,7 +146,7 @@ class RewardFunction:
                 for index, one in enumerate(score):
                     scored[index, job[0]] = one
         for k, score in enumerate(scores[: len(per_sample) * len(responses)]):
-            scored[divmod(k, len(per_sample))[0], per_sample[k % len(per_sample)]] = score
+            scored[k // len(per_sample), per_sample[k % len(per_sample)]] = score
         results = []
         for index in range(len(responses)):
             row = [(name, *scored[index, name]) for name in names]
