@@ -47,14 +47,17 @@ def example_data(tmp_path_factory) -> Path:
 
 
 def train(example: str, data: Path, out: Path) -> Path:
-    command = [
-        sys.executable, "-m", "cagrpo_ray.run", "--config", f"examples/{example}/config.yaml",
+    overrides = [
         f"run.output_dir={out}", f"run.steps={STEPS}",
         f"data.path={data / example / 'train.parquet'}",
         f"data.eval_path={data / example / 'test.parquet'}",
         "data.eval_size=8", "metrics.port=0", "metrics.inspect_port=null",
         "metrics.inspect_every=1", "metrics.inspect_groups=4",
     ]  # fmt: skip
+    command = [sys.executable, "-m", "cagrpo_ray.run", "--config",
+               f"examples/{example}/config.yaml"]  # fmt: skip
+    for override in overrides:
+        command += ["--set", override]
     run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [run_dir] = [path for path in out.iterdir() if (path / "summary.json").exists()]
