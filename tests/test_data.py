@@ -140,7 +140,8 @@ def test_jsonl_source_skips_bad_rows_and_logs_their_count(tmp_path, caplog):
     assert source.question_column == "problem"
     assert [item.answer for item in source] == ["2", "8"]
     assert [item.uid for item in source] == ["math.jsonl:0", "math.jsonl:6"]
-    assert source[0].metadata == {"level": 1, "source_file": "math.jsonl"}
+    # every column but the question stays: reward functions get them (TRL passes each)
+    assert source[0].metadata == {"answer": "2", "level": 1, "source_file": "math.jsonl"}
     assert source.skipped == 4
     locations = [bad.location for bad in source.bad_rows]
     assert locations == ["line 2", "line 3", "line 4", "line 5"]

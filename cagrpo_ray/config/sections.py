@@ -120,12 +120,27 @@ class DataConfig(Section):
     )
     train_size: int = Field(20_000, ge=1, description="Number of distinct training prompts.")
     eval_size: int = Field(200, ge=1, description="Number of held-out evaluation prompts.")
-    path: str | None = Field(None, description="Parquet or JSONL file when source is 'file'.")
-    eval_path: str | None = Field(None, description="Held-out file when source is 'file'.")
-    question_column: str | None = Field(
-        None, description="Column holding the problem text (None: problem, prompt or question)."
+    path: str | None = Field(
+        None,
+        description="Parquet or JSONL file, or a datasets folder (save_to_disk), when source is "
+        "'file'.",
     )
-    answer_column: str = Field("answer", description="Column holding the reference answer.")
+    eval_path: str | None = Field(None, description="Held-out file when source is 'file'.")
+    format: Literal["auto", "plain", "verl", "trl", "openrlhf"] = Field(
+        "auto",
+        description="Layout of the files: auto (detected from the columns), plain, verl, trl "
+        "or openrlhf (cagrpo_ray/data/files.py).",
+    )
+    question_column: str | None = Field(
+        None,
+        description="Column holding the prompt, text or chat messages; dotted for nested "
+        "columns (None: the layout's: prompt, input, or problem/prompt/question).",
+    )
+    answer_column: str | None = Field(
+        None,
+        description="Column holding the reference answer; dotted for nested columns (None: "
+        "the layout's: reward_model.ground_truth for verl, label for openrlhf, else answer).",
+    )
     on_bad_row: Literal["skip", "error"] = Field(
         "skip", description="What a malformed data row does: skipped (and counted) or an error."
     )
@@ -248,6 +263,28 @@ class RewardConfig(Section):
     timeout_s: float = Field(5.0, gt=0, description="Per-call verifier timeout (seconds).")
     num_workers: int = Field(1, ge=1, description="Verifier worker processes.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs of the reward pool actor.")
+    functions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Reward functions of one's own, name -> 'path/to/file.py:function' or "
+        "'module:function' (TRL's, verl's compute_score or (response, item) signature); "
+        "their names go in weights like a verifier's.",
+    )
+    on_error: Literal["zero", "raise"] = Field(
+        "zero",
+        description="A verifier or reward function that fails on a sample: zero (reward 0, "
+        "counted in reward/verifier_errors) or raise (the run stops, naming it and the sample).",
+    )
+
+    @model_validator(mode="after")
+    def _function_specs(self) -> RewardConfig:
+        for name, spec in self.functions.items():
+            target, _, attribute = spec.rpartition(":")
+            if not target or not attribute:
+                raise ValueError(
+                    f"reward.functions.{name} is {spec!r}; write 'path/to/file.py:function' or "
+                    "'module:function'"
+                )
+        return self
 
 
 class LearnerConfig(Section):

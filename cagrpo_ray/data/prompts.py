@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
 R1_INSTRUCTION = (
     "A conversation between User and Assistant. The user asks a question, and the Assistant "
     "solves it. The Assistant first thinks about the reasoning process in the mind and then "
@@ -15,16 +18,33 @@ PLAIN_TEMPLATE = "{instruction}User: {question}\nAssistant:"
 
 
 def format_prompt_text(
-    tokenizer, question: str, instruction: str | list[dict] | None = R1_INSTRUCTION
+    tokenizer, question: str | list[dict], instruction: str | list[dict] | None = R1_INSTRUCTION
 ) -> str:
     """The prompt text: `question` as the user turn, `instruction` as the system turn (or, a
     list of messages, the turns before it: a system turn and worked examples, `data.few_shot`).
+
+    A `question` that is a list of chat messages (verl's and TRL's conversational layouts) is
+    the conversation itself, after the instruction's turns; a system turn of its own replaces
+    the instruction's.
 
     The chat template decides how (and whether) the system turn is rendered: the small
     character-level policies' template leaves it out, because they were trained without it
     (see `cagrpo_ray/policies/tokenizer.py`). The text ends with the template's generation
     prompt, so that the response starts at the assistant's first token (`<think>`).
     """
+    if isinstance(question, list):
+        if tokenizer.chat_template is None:
+            raise ValueError("a prompt of chat messages needs a tokenizer with a chat template")
+        preamble = (
+            [{"role": "system", "content": instruction}]
+            if isinstance(instruction, str)
+            else list(instruction or [])
+        )
+        if any(message["role"] == "system" for message in question):
+            preamble = [message for message in preamble if message["role"] != "system"]
+        return tokenizer.apply_chat_template(
+            [*preamble, *question], tokenize=False, add_generation_prompt=True
+        )
     if isinstance(instruction, list):
         if tokenizer.chat_template is None:
             raise ValueError("example turns (data.few_shot) need a tokenizer with a chat template")
@@ -40,7 +60,7 @@ def format_prompt_text(
 
 
 def format_prompt(
-    tokenizer, question: str, instruction: str | list[dict] | None = R1_INSTRUCTION
+    tokenizer, question: str | list[dict], instruction: str | list[dict] | None = R1_INSTRUCTION
 ) -> list[int]:
     """Token ids of `format_prompt_text(tokenizer, question, instruction)`.
 
@@ -59,3 +79,27 @@ def prompt_preamble(data) -> str | list[dict] | None:
         return text
     system = [{"role": "system", "content": text}] if text else []
     return system + [dict(m) for m in data.few_shot]
+
+
+class PromptTooLongError(ValueError):
+    """Prompts that leave no room for a response in `rollout.max_model_len`; names each."""
+
+
+def check_prompt_lengths(
+    items: Iterable, tokenizer, instruction, max_model_len: int, where: Callable[[Any], str]
+) -> None:
+    """Raise `PromptTooLongError` if any item's formatted prompt has `max_model_len` tokens or
+    more (the engine would refuse it, and cutting it would change the task), naming the first
+    few by `where(item)` (file and row) with their lengths. Prompts are never shortened."""
+    too_long = []
+    for item in items:
+        length = len(format_prompt(tokenizer, item.question, instruction))
+        if length >= max_model_len:
+            too_long.append(f"{where(item)}: {length} tokens")
+    if too_long:
+        shown = "; ".join(too_long[:5])
+        raise PromptTooLongError(
+            f"{len(too_long)} prompts are at least rollout.max_model_len ({max_model_len}) "
+            f"tokens long, leaving no room for a response ({shown}); raise "
+            "rollout.max_model_len or drop these rows"
+        )

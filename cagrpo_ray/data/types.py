@@ -12,7 +12,7 @@ class PromptItem:
     """One task prompt, before any chat template is applied."""
 
     uid: str  # stable id, e.g. "chain_sum:train:123" or "math500.jsonl:17"
-    question: str  # problem text, no template applied
+    question: str | list[dict]  # problem text, or chat messages (role, content); no template
     answer: str  # reference answer as a string
     metadata: dict[str, Any] = field(default_factory=dict)
     # for reasoning_gym the dataset entry's metadata, which carries "source_dataset" so that

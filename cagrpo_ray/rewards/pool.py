@@ -43,8 +43,12 @@ HEAVY_IMPORTS = {  # verifier name -> modules its first call would otherwise imp
 MAX_START_FAILURES = 3
 PARENT_POLL_S = 1.0
 
-Job = tuple[str, str, dict]  # (verifier name, response, item as a dict)
-Score = tuple[float, str | None]  # (score, error or None)
+# (verifier name, response, item as a dict); for a batched reward function (TRL's), the
+# responses and the items of the batch as lists
+Job = tuple[str, str | list[str], dict | list[dict]]
+# (score, error or None); a reward function of one's own adds its components, and a batched
+# one answers a list of those (one per response) unless the whole call failed
+Score = tuple[float, str | None]
 
 
 @dataclass
@@ -67,9 +71,14 @@ def serve_verifier_worker(read_fd: int, write_fd: int, parent_pid: int) -> None:
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
         soft = memory_bytes if hard == resource.RLIM_INFINITY else min(memory_bytes, hard)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-    for name in verifiers:  # imported now, so that the first job is not charged for it
+    for name, verifier in verifiers.items():  # imported now: the first job is not charged
         for module in HEAVY_IMPORTS.get(name, ()):
             importlib.import_module(module)
+        if hasattr(verifier, "score_job"):  # a reward function of one's own
+            try:
+                verifier.function()
+            except Exception:  # checked by the caller before; if not, each job reports it
+                pass
     conn_out.send(READY)
     while True:
         try:
@@ -78,6 +87,9 @@ def serve_verifier_worker(read_fd: int, write_fd: int, parent_pid: int) -> None:
             return
         name, response, item = job
         try:
+            if hasattr(verifiers[name], "score_job"):  # scores its own errors, per sample
+                conn_out.send(verifiers[name].score_job(response, item))
+                continue
             score = float(verifiers[name](response, item))
             conn_out.send((score, None) if score == score else (0.0, f"{name} returned NaN"))
         except Exception as error:  # a verifier's crash is a zero score, not a dead worker
@@ -96,7 +108,8 @@ class VerifierPool:
 
     Args:
         verifiers: name -> `(response, item) -> float`, picklable by reference (module-level
-            functions of an importable module, or `functools.partial` of them).
+            functions of an importable module, or `functools.partial` of them), or a
+            `UserRewardFunction` (`rewards/custom.py`), whose `score_job` the worker calls.
         num_workers: worker processes; on a 2-core machine 1 or 2.
         timeout_s: wall-clock budget of one job, from hand-over to the result.
         worker_memory_bytes: address-space limit of each worker (0: none), so that a verifier
