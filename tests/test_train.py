@@ -99,17 +99,15 @@ class RecordingTrainer(Trainer):
     def setup(self):
         super().setup()
         buffer, group_size = self.scheduler.schedule.buffer, self.config.rollout.group_size
-        take = buffer.take
+        take = buffer.take_ids
 
         def recording_take(*args, **kwargs):
-            table = take(*args, **kwargs)
-            if table is not None:  # in the order the learner sees it: by group id
-                table = table.sort_by("group_id")
-                self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
-                self.trained_groups += table.column("group_id").to_pylist()[::group_size]
+            table = take(*args, **kwargs)  # in the order the learner sees it: by group id
+            self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
+            self.trained_groups += table.column("group_id").to_pylist()[::group_size]
             return table
 
-        buffer.take = recording_take
+        buffer.take_ids = recording_take
         if self._kill_at is not None:
             threading.Thread(target=self._kill_one_generator, daemon=True).start()
 
