@@ -12,8 +12,8 @@ Events the loop reports, and what the schedule answers:
                                      when bound (1) leaves no room at generator version g
     chunk_lost(chunk)             -> its groups wait in the requeue under their group ids
     chunk_scored(chunk, groups)   -> kept groups enter the buffer; filtered ones are counted
-    take_batch()                  -> a `Batch` of P groups in start order, or None (keep
-                                     pumping); stale groups are dropped first; raises
+    take_batch()                  -> a `Batch`: the next P groups in start order, or None
+                                     (keep pumping); stale groups are dropped first; raises
                                      `DynamicSamplingError` past dynamic sampling's bound
     step_started(), step_trained()   the learner trains version `step` -> `step + 1`
     resync_due(need_weights)      -> resync the replicas now (only with the learner idle,
@@ -28,23 +28,29 @@ version that sampled it. With P prompts per step and bound s, a chunk is only *s
 where g is the version the replica will sample with, t the version that will train on the
 next batch taken from the buffer (`step`, plus one while a step is running), and
 `outstanding` counts groups buffered or in flight (generating or being scored). So data that
-would be too stale is never generated, and s = 0 is the synchronous schedule. Groups that
-exceed the bound anyway are dropped when a batch is taken (`min_version = step - s`) and
-counted (`dropped_stale`): work requeued after a generator crash, a resumed buffer, and, with
-s >= 1, a group overtaken: a batch takes the groups that arrived first, so one started after
-a slow group can be trained before it, and the slow one may then be too old
-(tests/test_schedule.py, `test_a_group_overtaken_is_dropped`).
+would be too stale is never generated, and s = 0 is the synchronous schedule.
+
+Batches in start order. Batch t holds the P kept groups that follow batch t - 1 in group-id
+order, and is taken only once every group before its last is resolved (scored and kept,
+filtered by dynamic sampling, or dropped): a fast replica's groups wait for a slow one's
+started before them, never overtake it. With (1) this is a guarantee. When a chunk starts at
+version g, with t' batches taken, the kept groups up to its last are at most the t' * P taken
+and the outstanding ones and the chunk's, which (1) bounds by (g + s + 1) * P; so its groups
+land in batches t <= g + s, and none is ever staler than s. A lost chunk, started again under
+its ids at a version no older, keeps its place. Groups older than the bound are still dropped
+when a batch is taken (`min_version = step - s`) and counted (`dropped_stale`), as a safety
+net (a checkpoint resumed with a smaller bound, say); otherwise every group started is trained
+exactly once or filtered (tests/test_schedule.py checks it on random event orders).
 
 Prompts and groups. Every new group takes the next prompt of the data cursor (which starts
 the source again at its end: a new epoch in the same order) and the next group id, so group g
 holds prompt g mod N. A chunk lost on the way (its replica died, or it was in flight at a
 checkpoint) is started again before any new prompt, under its own group ids (`Requeue`), so
 with its own seeds: a seed is fixed by the group's place (step = g // P, index in the step).
-A batch's groups are put in the order they were started (by group id), so the learner's batch
-does not depend on which replica finished first; with s = 0 each batch holds exactly the groups
-started for its step, so a run trains the batches of a sequential loop (but for dynamic
-sampling, which starts more groups than a step needs and takes the kept ones that arrive
-first).
+A batch is the next groups in start order, so the learner's batches do not depend on which
+replica finished first: a run trains the batches of the sequential loop, with any s (and with
+dynamic sampling, which starts more groups than a step needs, the first P kept ones). What may
+differ with s >= 1 is the version that sampled each group.
 
 Storage. Scored groups are kept as Arrow record batches in a `RolloutBuffer`, whose rows carry
 each response's policy version; the schedule reads a group's id and oldest version from them,
@@ -147,7 +153,7 @@ class Schedule:
         self.requeue = Requeue()  # lost chunks, started again before new prompts
         self.buffer = RolloutBuffer()
         self._in_flight: dict[int, PromptChunk] = {}  # first group id -> chunk (not yet scored)
-        self.scored_since_batch = 0  # groups scored toward the next batch
+        self._filtered_ids: set[int] = set()  # filtered groups not yet passed by a batch
         self.filtered_groups = 0  # groups without signal, dropped by dynamic sampling
 
     # ------------------------------------------------------------------------- views
@@ -173,6 +179,13 @@ class Schedule:
     def in_flight(self) -> list[PromptChunk]:
         """Chunks started and not yet scored (generating, or being scored), in start order."""
         return [self._in_flight[k] for k in sorted(self._in_flight)]
+
+    def first_unresolved(self) -> int:
+        """The smallest group id neither scored nor dropped: in flight, requeued or not yet
+        started (`next_group_id`). Every group before it is trained, buffered or filtered."""
+        waiting = [chunk.group_ids[0] for chunk in self._in_flight.values()]
+        waiting += [group_ids[0] for _, group_ids in self.requeue.state([])]
+        return min([self.next_group_id, *waiting])
 
     def outstanding(self) -> int:
         """Groups not yet taken by the learner: buffered, being scored, being generated."""
@@ -229,10 +242,10 @@ class Schedule:
         self._finish(chunk)
         if len(groups) != len(chunk.group_ids):
             raise ValueError(f"chunk {chunk.group_ids}: {len(groups)} scored groups")
-        for group in groups:
-            self.scored_since_batch += 1
+        for group_id, group in zip(chunk.group_ids, groups, strict=True):
             if group is None:
                 self.filtered_groups += 1
+                self._filtered_ids.add(group_id)
                 continue
             self.buffer.add(group)
 
@@ -244,31 +257,35 @@ class Schedule:
     # ------------------------------------------------------------------ training
 
     def take_batch(self) -> Batch | None:
-        """The next batch, or None while fewer than P groups within the bound are buffered.
+        """The next batch: the P buffered groups of smallest group id, once every group before
+        the last of them is resolved (see "Batches in start order"); else None.
 
         Raises `DynamicSamplingError` rather than wait forever, when dynamic sampling has
-        scored `max_gen_batches` batches' worth of groups toward this step without enough
+        resolved `max_gen_batches` batches' worth of groups toward this step without enough
         groups with a signal."""
-        P, min_version = self.settings.prompts_per_step, self.min_version
-        self.buffer.drop_stale(min_version)
-        if len(self.buffer) < P:
-            self._check_dynamic_sampling()
+        P = self.settings.prompts_per_step
+        self.buffer.drop_stale(self.min_version)
+        frontier = self.first_unresolved()
+        ready = sorted(g for g in self.buffer.group_ids() if g < frontier)
+        if len(ready) < P:
+            self._check_dynamic_sampling(len(ready), frontier)
             return None
-        # Groups arrive in completion order; the learner sees them in the order they were
-        # started, so the batch does not depend on which replica finished first.
-        table = self.buffer.take(P, min_version=min_version).sort_by("group_id")
-        # groups already kept for the next batch count toward it
-        scored, self.scored_since_batch = self.scored_since_batch, len(self.buffer)
-        return Batch(table, scored)
+        ids = ready[:P]
+        # the groups this batch passes: its own and the filtered ones between them
+        passed = {g for g in self._filtered_ids if g < ids[-1]}
+        self._filtered_ids -= passed
+        return Batch(self.buffer.take_ids(ids), P + len(passed))
 
-    def _check_dynamic_sampling(self) -> None:
-        """Stop, rather than generate forever, when too few groups carry a signal."""
+    def _check_dynamic_sampling(self, kept: int, frontier: int) -> None:
+        """Stop, rather than generate forever, when too few groups carry a signal: `kept` of
+        the groups resolved before `frontier` (the next batch's candidates) had one."""
         s = self.settings
         P = s.prompts_per_step
-        if s.dynamic_sampling and self.scored_since_batch >= s.max_gen_batches * P:
+        scored = kept + sum(g < frontier for g in self._filtered_ids)
+        if s.dynamic_sampling and scored >= s.max_gen_batches * P:
             raise DynamicSamplingError(
-                f"dynamic sampling: {self.scored_since_batch} groups were scored for learner "
-                f"step {self.step + 1} and only {len(self.buffer)} of the {P} needed had "
+                f"dynamic sampling: {scored} groups were scored for learner "
+                f"step {self.step + 1} and only {kept} of the {P} needed had "
                 f"rewards that differ (algorithm.max_gen_batches is {s.max_gen_batches}); the "
                 "task gives (nearly) every group equal rewards: make it harder or easier, or "
                 "turn algorithm.dynamic_sampling off"
@@ -308,6 +325,7 @@ class Schedule:
         self.requeue = Requeue.from_state(state["requeue"])
         self.buffer.load_table(buffered)
         self._in_flight.clear()
+        self._filtered_ids.clear()
         self.training = False
 
     def save(self, directory: str | Path, extra: dict | None = None) -> None:

@@ -16,7 +16,10 @@ flight finish and takes no new one until it has loaded, so no request is ever cu
     reward pool        |s|         |s|       |s|           |s|
     learner      |------ train v ------|send|------ train v+1 ------|send| ...
 
-The bound and its inequality (1) are the schedule's docstring. Off-policy correction is the
+The bound and its inequality (1) are the schedule's docstring. Batches are taken in start
+order (group-id order): the learner waits for a slow replica's group rather than train later
+ones first, so no group exceeds the bound and none is dropped without a fault, and each
+prompt started is trained once (or filtered by dynamic sampling). Off-policy correction is the
 learner's (`algo/off_policy.py`): the PPO ratio is taken against the proximal policy recomputed
 by the learner, and the behavior-to-proximal importance weight is truncated at
 `algorithm.tis_cap`.

@@ -73,6 +73,21 @@ def test_groups_leave_whole_in_arrival_order_and_stale_ones_are_dropped():
     assert len(buffer) == 1
 
 
+def test_groups_leave_by_id_and_the_rest_keep_their_order():
+    rng = np.random.default_rng(2)
+    buffer = RolloutBuffer()
+    groups = {g: random_group(rng, g)[0] for g in [5, 2, 7, 3]}  # arrival order
+    for group in groups.values():
+        buffer.add(group)
+    assert buffer.group_ids() == [5, 2, 7, 3]
+    table = buffer.take_ids([2, 3])
+    assert table.equals(pa.Table.from_batches([groups[2], groups[3]]))
+    assert buffer.group_ids() == [5, 7]
+    with pytest.raises(KeyError, match=r"groups \[3\] are not buffered"):
+        buffer.take_ids([7, 3])
+    assert buffer.group_ids() == [5, 7]  # a refused take removes nothing
+
+
 def test_parquet_dump_and_reload_keep_groups(tmp_path):
     rng = np.random.default_rng(3)
     buffer = RolloutBuffer()

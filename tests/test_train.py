@@ -5,12 +5,13 @@ For each bound, one uninterrupted run of N steps is the reference. It must raise
 accuracy by a margin that a paired test over the held-out prompts justifies (with GRPO: this
 checks that the system trains; whether CA-GRPO raises held-out accuracy at this scale is the
 evidence study's question, and on the built-in policy at 30 steps it does not), never train a
-sample staler than the bound nor a prompt twice, and leave the policy as a Hugging Face
-directory that the evaluation CLI loads. A second run resumes from one of the reference's
-checkpoints and has a generator replica killed mid-run: the replacement must serve the
-current policy version at the end; with bound 0 the resumed run must reproduce the
-reference's per-step metrics from the checkpoint up to the kill (and train the same prompts
-after it), with bound 1 (timing-dependent) its invariants must hold. The engines run eager
+sample staler than the bound, train the source's prompts in order (each once, none dropped),
+and leave the policy as a Hugging Face directory that the evaluation CLI loads. A second run
+resumes from one of the reference's checkpoints and has a generator replica killed mid-run:
+the replacement must serve the current policy version at the end; with either bound the
+resumed run must train the reference's groups and prompts, none dropped; with bound 0 it must
+also reproduce the reference's per-step metrics from the checkpoint up to the kill, with
+bound 1 (timing-dependent) the invariants must hold. The engines run eager
 (`rollout.enforce_eager`: they start in half the time); the compiled engines of the default
 run are the golden schedule's and the short run's (tests/short_run.py).
 """
@@ -99,17 +100,15 @@ class RecordingTrainer(Trainer):
     def setup(self):
         super().setup()
         buffer, group_size = self.scheduler.schedule.buffer, self.config.rollout.group_size
-        take = buffer.take
+        take = buffer.take_ids
 
         def recording_take(*args, **kwargs):
-            table = take(*args, **kwargs)
-            if table is not None:  # in the order the learner sees it: by group id
-                table = table.sort_by("group_id")
-                self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
-                self.trained_groups += table.column("group_id").to_pylist()[::group_size]
+            table = take(*args, **kwargs)  # in the order the learner sees it: by group id
+            self.trained_prompts += table.column("prompt_uid").to_pylist()[::group_size]
+            self.trained_groups += table.column("group_id").to_pylist()[::group_size]
             return table
 
-        buffer.take = recording_take
+        buffer.take_ids = recording_take
         if self._kill_at is not None:
             threading.Thread(target=self._kill_one_generator, daemon=True).start()
 
@@ -195,13 +194,14 @@ def test_training_raises_heldout_accuracy_within_the_bound(reference_run):
     assert sorted(records) == list(range(1, STEPS + 1))
     assert all(r["staleness/max"] <= staleness for r in records.values())
     assert all(0.0 <= r["generators/idle_fraction"] <= 1.0 for r in records.values())
-    # every prompt trained exactly once, the first STEPS * PROMPTS of the source
-    assert len(trainer.trained_prompts) == STEPS * PROMPTS
-    assert len(set(trainer.trained_prompts)) == STEPS * PROMPTS
+    # every prompt trained exactly once, the first STEPS * PROMPTS of the source, in start
+    # order whatever the bound (none overtaken, so none dropped)
+    source = trainer.train_source
+    assert trainer.trained_prompts == [source[i].uid for i in range(STEPS * PROMPTS)]
+    assert trainer.trained_groups == list(range(STEPS * PROMPTS))
+    assert all(r["buffer/dropped_stale_groups"] == 0 for r in records.values())
     if staleness == 0:
         assert all(r["staleness/mean"] == 0 for r in records.values())
-        source = trainer.train_source
-        assert trainer.trained_prompts == [source[i].uid for i in range(STEPS * PROMPTS)]
     else:
         # generation overlapped training: most batches were sampled one version back
         assert sum(r["staleness/mean"] > 0 for r in records.values()) >= STEPS // 2
@@ -268,6 +268,13 @@ def test_resume_with_a_killed_generator(reference_run):
     first_half = reference_trainer.trained_prompts[: start * PROMPTS]
     assert len(set(trainer.trained_prompts)) == len(trainer.trained_prompts)
     assert not set(first_half) & set(trainer.trained_prompts)
+    # nor skipped, across the checkpoint and the lost replica's requeued chunk, whatever the bound
+    assert trainer.trained_groups == list(range(start * PROMPTS, end * PROMPTS))
+    assert (
+        trainer.trained_prompts
+        == reference_trainer.trained_prompts[start * PROMPTS : end * PROMPTS]
+    )
+    assert all(r["buffer/dropped_stale_groups"] == 0 for r in resumed.values())
     if staleness == 0:
         # Until the kill, the resumed run reproduces the reference step for step. After it, the
         # killed replica's chunk is generated again on the other replica under its own group

@@ -22,10 +22,10 @@ One row per response. The schema (`ROLLOUT_SCHEMA`):
 `policy_mask` is null when every token is the policy's (single-turn rows, and episodes that
 called no tool); a single-turn row has 1 turn and no tool call.
 
-Groups leave in arrival order (FIFO). `take(..., min_version=v)` drops whole groups sampled by a
-policy older than `v` and counts them (`dropped_stale`). Conversion to the learner's padded
-tensors (`to_learner_batch`) works on the Arrow offsets with numpy, without a Python loop over
-rows.
+Groups leave in arrival order (FIFO), or by group id (`take_ids`). `take(..., min_version=v)`
+and `drop_stale(v)` drop whole groups sampled by a policy older than `v` and count them
+(`dropped_stale`). Conversion to the learner's padded tensors (`to_learner_batch`) works on
+the Arrow offsets with numpy, without a Python loop over rows.
 """
 
 from __future__ import annotations
@@ -152,6 +152,20 @@ class RolloutBuffer:
         if len(self._groups) < num_groups:
             return None
         taken = [self._groups.popleft() for _ in range(num_groups)]
+        return pa.Table.from_batches(taken, schema=ROLLOUT_SCHEMA)
+
+    def group_ids(self) -> list[int]:
+        """The buffered groups' ids, in arrival order."""
+        return [group.column("group_id")[0].as_py() for group in self._groups]
+
+    def take_ids(self, group_ids: Sequence[int]) -> pa.Table:
+        """Remove and return the buffered groups `group_ids`, in that order."""
+        by_id = {group.column("group_id")[0].as_py(): group for group in self._groups}
+        missing = [g for g in group_ids if g not in by_id]
+        if missing:
+            raise KeyError(f"groups {missing} are not buffered")
+        taken = [by_id.pop(g) for g in group_ids]
+        self._groups = deque(by_id.values())  # the rest, still in arrival order
         return pa.Table.from_batches(taken, schema=ROLLOUT_SCHEMA)
 
     def to_table(self) -> pa.Table:
