@@ -39,7 +39,7 @@ def test_learner_batch_matches_a_row_by_row_reference():
         groups = [random_group(rng, g + 100 * trial) for g in range(int(rng.integers(1, 6)))]
         for batch, _ in groups:
             buffer.add(batch)
-        table = buffer.take(len(groups))
+        table = buffer.take_ids(buffer.group_ids())
         out = to_learner_batch(table, pad_token_id=0)
         rows = [c for _, cs in groups for c in cs]
         width = max(len(c.prompt_token_ids) + len(c.token_ids) for c in rows)
@@ -60,16 +60,18 @@ def test_learner_batch_matches_a_row_by_row_reference():
             )
 
 
-def test_groups_leave_whole_in_arrival_order_and_stale_ones_are_dropped():
+def test_stale_groups_are_dropped_and_counted_and_the_rest_leave_whole():
     rng = np.random.default_rng(1)
     buffer = RolloutBuffer()
     for g, version in enumerate([0, 1, 2, 2, 3]):
         buffer.add(random_group(rng, g, version=version)[0])
     assert len(buffer) == 5 and buffer.to_table().num_rows == 20
-    table = buffer.take(2, min_version=2)
-    assert buffer.dropped_stale == 2
+    buffer.drop_stale(2)
+    assert buffer.dropped_stale == 2 and buffer.group_ids() == [2, 3, 4]
+    table = buffer.take_ids([2, 3])
     assert table.column("group_id").to_pylist() == [2] * 4 + [3] * 4
-    assert buffer.take(2) is None  # one group left: too few, and nothing is lost
+    with pytest.raises(KeyError, match=r"\[3\]"):  # taken already: nothing else is lost
+        buffer.take_ids([3])
     assert len(buffer) == 1
 
 

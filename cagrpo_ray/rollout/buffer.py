@@ -22,9 +22,9 @@ One row per response. The schema (`ROLLOUT_SCHEMA`):
 `policy_mask` is null when every token is the policy's (single-turn rows, and episodes that
 called no tool); a single-turn row has 1 turn and no tool call.
 
-Groups leave in arrival order (FIFO), or by group id (`take_ids`). `take(..., min_version=v)`
-and `drop_stale(v)` drop whole groups sampled by a policy older than `v` and count them
-(`dropped_stale`). Conversion to the learner's padded tensors (`to_learner_batch`) works on
+Groups leave whole, by group id (`take_ids`: the schedule takes each batch in start order);
+the rest keep their arrival order. `drop_stale(v)` drops whole groups sampled by a policy
+older than `v` and counts them (`dropped_stale`). Conversion to the learner's padded tensors (`to_learner_batch`) works on
 the Arrow offsets with numpy, without a Python loop over rows.
 """
 
@@ -144,15 +144,6 @@ class RolloutBuffer:
         self._groups = kept
         self.dropped_stale += dropped
         return dropped
-
-    def take(self, num_groups: int, min_version: int | None = None) -> pa.Table | None:
-        """Remove and return the oldest `num_groups` whole groups, or None if too few."""
-        if min_version is not None:
-            self.drop_stale(min_version)
-        if len(self._groups) < num_groups:
-            return None
-        taken = [self._groups.popleft() for _ in range(num_groups)]
-        return pa.Table.from_batches(taken, schema=ROLLOUT_SCHEMA)
 
     def group_ids(self) -> list[int]:
         """The buffered groups' ids, in arrival order."""
