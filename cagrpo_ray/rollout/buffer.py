@@ -24,8 +24,8 @@ called no tool); a single-turn row has 1 turn and no tool call.
 
 Groups leave whole, by group id (`take_ids`: the schedule takes each batch in start order);
 the rest keep their arrival order. `drop_stale(v)` drops whole groups sampled by a policy
-older than `v` and counts them (`dropped_stale`). Conversion to the learner's padded tensors (`to_learner_batch`) works on
-the Arrow offsets with numpy, without a Python loop over rows.
+older than `v` and counts them (`dropped_stale`). Conversion to the learner's padded tensors
+(`to_learner_batch`) works on the Arrow offsets with numpy, without a Python loop over rows.
 """
 
 from __future__ import annotations
