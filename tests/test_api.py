@@ -129,3 +129,21 @@ def test_importing_the_package_and_train_is_cheap():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_callable_reward_function_reaches_the_runs_reward_functions():
+    """`train(reward_functions={"mine": fn})`'s override is what `reward.functions` takes: the
+    config accepts it and the run's loader imports the same function by that name."""
+    from cagrpo_ray.config import load_config
+    from cagrpo_ray.rewards import load_reward_functions
+
+    def mine(response, item):
+        return float(response.strip() == str(item["answer"]))
+
+    spec = f"{_pickled_reward_function('mine', mine)}:mine"
+    config = load_config(
+        "configs/cpu-tiny.yaml", [f"reward.functions.mine={spec}", "reward.weights={mine: 1.0}"]
+    )
+    assert config.reward.functions == {"mine": spec}
+    loaded = load_reward_functions(config.reward.functions)
+    assert list(loaded) == ["mine"] and loaded["mine"].spec == spec
