@@ -105,12 +105,15 @@ class ScheduleSettings:
     steps: int  # learner steps of the run: nothing is generated past the last
     num_prompts: int  # N, the training source's length
     run_seed: int
-    dynamic_sampling: bool  # groups without signal are filtered ...
-    max_gen_batches: int  # ... and at most this many batches' worth are scored per step
+    # with a group filter (dynamic sampling), the most groups scored toward one batch before
+    # the run stops (`Recipe.groups_assessed_limit`); None without one
+    groups_assessed_limit: int | None
 
     @classmethod
-    def from_config(cls, config, num_prompts: int) -> ScheduleSettings:
-        r, a = config.rollout, config.algorithm
+    def from_config(
+        cls, config, num_prompts: int, groups_assessed_limit: int | None
+    ) -> ScheduleSettings:
+        r = config.rollout
         return cls(
             prompts_per_step=r.prompts_per_step,
             chunk_prompts=r.chunk_prompts,
@@ -118,8 +121,7 @@ class ScheduleSettings:
             steps=config.run.steps,
             num_prompts=num_prompts,
             run_seed=config.run.seed,
-            dynamic_sampling=a.dynamic_sampling,
-            max_gen_batches=a.max_gen_batches,
+            groups_assessed_limit=groups_assessed_limit,
         )
 
 
@@ -279,14 +281,13 @@ class Schedule:
     def _check_dynamic_sampling(self, kept: int, frontier: int) -> None:
         """Stop, rather than generate forever, when too few groups carry a signal: `kept` of
         the groups resolved before `frontier` (the next batch's candidates) had one."""
-        s = self.settings
-        P = s.prompts_per_step
+        limit, P = self.settings.groups_assessed_limit, self.settings.prompts_per_step
         scored = kept + sum(g < frontier for g in self._filtered_ids)
-        if s.dynamic_sampling and scored >= s.max_gen_batches * P:
+        if limit is not None and scored >= limit:
             raise DynamicSamplingError(
                 f"dynamic sampling: {scored} groups were scored for learner "
                 f"step {self.step + 1} and only {kept} of the {P} needed had "
-                f"rewards that differ (algorithm.max_gen_batches is {s.max_gen_batches}); the "
+                f"rewards that differ (algorithm.max_gen_batches is {limit // P}); the "
                 "task gives (nearly) every group equal rewards: make it harder or easier, or "
                 "turn algorithm.dynamic_sampling off"
             )

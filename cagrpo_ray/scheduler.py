@@ -93,7 +93,6 @@ class Scheduler:
         self._wait = wait
         self.inspect_dir = inspect_dir  # the run directory when steps are inspected
         self.instruction = prompt_preamble(config.data)
-        self.schedule = Schedule(ScheduleSettings.from_config(config, len(train_source)))
         self.reward_refs: dict = {}  # ObjectRef -> (PromptChunk, completions per prompt)
         self.learn_refs: list = []
         self.tokens_generated = 0.0
@@ -105,6 +104,8 @@ class Scheduler:
         self.overlong_penalized = 0
         r = config.rollout
         self.recipe = Recipe(config.algorithm.recipe_spec(r.group_size, r.max_tokens))
+        limit = self.recipe.groups_assessed_limit(r.prompts_per_step)
+        self.schedule = Schedule(ScheduleSettings.from_config(config, len(train_source), limit))
 
     @property
     def step(self) -> int:

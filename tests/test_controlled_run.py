@@ -50,10 +50,11 @@ def test_kappa_is_the_controllers_rule_on_the_logged_entropies(controlled_run):
     state = json.loads((checkpoint / STATE_FILE).read_text())
     saved = state["controllers"]["kappa_entropy"]
     assert KappaController.from_state(saved).state() == replay.state()
-    restored = Schedule(ScheduleSettings.from_config(config, config.data.train_size))
-    assert restored.load(checkpoint) == state and restored.step == STEPS
     r = config.rollout
     recipe = Recipe(config.algorithm.recipe_spec(r.group_size, r.max_tokens))
+    limit = recipe.groups_assessed_limit(r.prompts_per_step)
+    restored = Schedule(ScheduleSettings.from_config(config, config.data.train_size, limit))
+    assert restored.load(checkpoint) == state and restored.step == STEPS
     recipe.restore(state["controllers"])
     assert recipe.controllers["kappa_entropy"].state() == replay.state()
 

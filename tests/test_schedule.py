@@ -51,7 +51,7 @@ GROUP = 2  # responses per group
 def settings_for(s=0, P=4, chunk=2, steps=6, prompts=10, dynamic=False, max_gen=3):
     return ScheduleSettings(
         prompts_per_step=P, chunk_prompts=chunk, max_staleness=s, steps=steps,
-        num_prompts=prompts, run_seed=7, dynamic_sampling=dynamic, max_gen_batches=max_gen,
+        num_prompts=prompts, run_seed=7, groups_assessed_limit=max_gen * P if dynamic else None,
     )  # fmt: skip
 
 
@@ -326,7 +326,7 @@ class Roles:
 
     def score_next(self) -> None:
         chunk, version = self.scoring.pop(0)
-        if not self.config.dynamic_sampling:
+        if self.config.groups_assessed_limit is None:  # no dynamic sampling
             scored(self.schedule, chunk, version)
             return
         groups = []
@@ -383,7 +383,8 @@ def check_invariants(roles: Roles) -> None:
     # one (still outstanding: buffered, in flight or requeued when the run ended)
     last = trained[-1]
     assert set(trained) | {g for g in filtered if g < last} == set(range(last + 1))
-    if not config.dynamic_sampling:  # the strictly sequential loop's batches, whatever s
+    # without dynamic sampling: the strictly sequential loop's batches, whatever s
+    if config.groups_assessed_limit is None:
         assert [groups for _, groups, _, _ in roles.batches] == [
             list(range(k * P, (k + 1) * P)) for k in range(config.steps)
         ]
