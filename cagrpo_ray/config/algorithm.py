@@ -228,6 +228,7 @@ class AlgorithmConfig(Section):
                 f"policy_loss is {self.policy_loss!r} (use cagrpo, or kappa_control: off)"
             )
         return self
+
     def recipe_spec(self, group_size: int, max_tokens: int) -> RecipeSpec:
         """What is trained besides the loss (`algo/recipe.py`): the registry entries these
         fields select, with their options; `group_size` and `max_tokens` are the rollout's."""
