@@ -10,6 +10,11 @@ from pydantic import Field, model_validator
 from cagrpo_ray.config.algorithm import AlgorithmConfig
 from cagrpo_ray.config.section import Section
 
+# Every linear layer of attention and MLP in Llama, Qwen2 and Mistral-style models.
+DEFAULT_LORA_TARGETS = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+)
+
 
 class RunConfig(Section):
     name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
@@ -81,6 +86,35 @@ class RunConfig(Section):
         return bool(self.max_staleness)
 
 
+class LoraConfig(Section):
+    rank: int = Field(
+        0,
+        ge=0,
+        description="LoRA rank r (0: full fine-tuning). Above 0 the learner trains only a "
+        "low-rank adapter on the frozen base, and the weight sync moves only the adapter.",
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="LoRA alpha: the adapter's update is scaled by alpha / rank."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Dropout on the adapter's input (0 keeps the recomputed log-probs equal to "
+        "the generators').",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Names of the linear layers that get an adapter (the default: every linear "
+        "layer of attention and MLP of Llama, Qwen2 and Mistral-style models).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class ModelConfig(Section):
     path: str = Field(
         "chain_sum",
@@ -104,6 +138,9 @@ class ModelConfig(Section):
         "float32",
         description="Parameter dtype of learners and generators alike (bfloat16: fp32 master "
         "weights and gradient accumulation; float16 would need loss scaling, not implemented).",
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig, description="Low-rank adapters (LoRA) instead of full weights."
     )
 
 
