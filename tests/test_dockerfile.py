@@ -166,10 +166,10 @@ def test_every_installed_extra_is_defined_in_pyproject(dockerfile):
                 for extras in re.findall(r"['\"]?\.\[([\w,\s-]+)\]['\"]?", rest):
                     for extra in extras.split(","):
                         installed[extra.strip()] = stage["name"]
-    assert installed == {"cpu": "cpu-build"}
+    assert installed == {"cpu": "cpu-build", "data": "cpu-build", "track": "cpu-build"}
     assert set(installed) <= defined
-    # The gpu extra comes from its lock file, made from pyproject.toml's gpu extra.
-    assert "--extra gpu" in (ROOT / LOCK).read_text().splitlines()[1]
+    # The gpu extra (with data and track) comes from its lock file, made from pyproject.toml.
+    assert "--extra gpu --extra data --extra track" in (ROOT / LOCK).read_text().splitlines()[1]
 
 
 def test_stages_referenced_exist_and_final_stages_are_the_targets(dockerfile):
