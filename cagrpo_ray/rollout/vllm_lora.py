@@ -119,7 +119,9 @@ def register_adapter(
     mapper, skip = _name_mapping(manager.model)
     served = set(manager.modules) | {m for subs in manager.packed_modules.values() for m in subs}
     parts = [_module_of(name, mapper) for name in tensors]
-    unserved = [name for name, (module, _) in zip(tensors, parts) if module not in served]
+    unserved = [
+        name for name, (module, _) in zip(tensors, parts, strict=True) if module not in served
+    ]
     if unserved:
         raise ValueError(
             f"adapter id {lora_id}: vLLM serves no adapter on the layers of "

@@ -25,6 +25,12 @@ What the reload says, and what it means:
 - Any other layer that received nothing is a real failure: the sync raises, naming it.
 - An exception inside the reload leaves the model half-loaded (vLLM does not roll back): the
   error says "model left unusable", and the generator exits so that Ray restarts it.
+
+Under LoRA the base weights never change: `receive_adapter` stages the adapter's tensors in
+host memory and registers them with vLLM's LoRA manager under a new id once all are in, and
+`served_adapter_checksum` reads the registered adapter back for the sync's acknowledgement
+(`vllm_lora.py`). A full reload would drop every registered adapter (vLLM resets its LoRA
+state after one), so an engine serving adapters takes none.
 """
 
 from __future__ import annotations
@@ -106,7 +112,9 @@ class WeightSyncExtension:
 
         def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in named_tensors:
-                staged[name] = tensor.clone()  # the bucket's buffer is reused by the next sync
+                # a copy in host memory, where vLLM keeps registered adapters: the bucket's
+                # buffer is reused by the next sync
+                staged[name] = tensor.to("cpu", copy=True)
             register_adapter(self.model_runner, lora_id, staged, lora)
 
         stats = receiver.receive(version, load)
