@@ -35,12 +35,12 @@ SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=(
 
 @pytest.mark.unit
 def test_vllm_rank_and_slots_from_the_config():
-    from cagrpo_ray.config import load_config
-    from cagrpo_ray.rollout.engines import engine_options
     from typing import get_args
 
     from vllm.config.lora import MaxLoRARanks
 
+    from cagrpo_ray.config import load_config
+    from cagrpo_ray.rollout.engines import engine_options
     from cagrpo_ray.rollout.vllm_lora import VLLM_LORA_RANKS, adapter_slots, vllm_max_lora_rank
 
     assert VLLM_LORA_RANKS == tuple(sorted(get_args(MaxLoRARanks)))
