@@ -126,31 +126,31 @@ def test_the_coordinator_stops_on_a_replica_serving_another_adapter_without_retr
 # --------------------------------------------------------------------- adapters (reference)
 
 
-def peft_policy(policy_dir, adapter: dict[str, torch.Tensor] | None = None):
-    """A float32 PEFT model of the policy with `SPEC`, in eval mode, holding `adapter`."""
+def peft_policy(policy_dir, adapter: dict[str, torch.Tensor] | None = None, spec=SPEC):
+    """A float32 PEFT model of the policy with `spec`, in eval mode, holding `adapter`."""
     import peft
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
-    model = peft.get_peft_model(model, SPEC.peft_config()).eval()
+    model = peft.get_peft_model(model, spec.peft_config()).eval()
     if adapter is not None:
         result = peft.set_peft_model_state_dict(model, adapter)
         assert not result.unexpected_keys
     return model
 
 
-def random_adapter(policy_dir, seed: int) -> dict[str, torch.Tensor]:
+def random_adapter(policy_dir, seed: int, spec=SPEC, scale=0.3) -> dict[str, torch.Tensor]:
     """PEFT's adapter of the policy (random A as PEFT draws it) with a random non-zero B."""
     import peft
 
     torch.manual_seed(seed)
-    model = peft_policy(policy_dir)
+    model = peft_policy(policy_dir, spec=spec)
     adapter = peft.get_peft_model_state_dict(model)
     g = torch.Generator().manual_seed(seed)
     for name, tensor in adapter.items():
         if "lora_B" in name:
             assert not tensor.any()  # PEFT's start: the base model
-            adapter[name] = 0.3 * torch.randn(tensor.shape, generator=g)
+            adapter[name] = scale * torch.randn(tensor.shape, generator=g)
     return {name: t.float().contiguous() for name, t in adapter.items()}
 
 
@@ -387,3 +387,28 @@ def test_a_broken_sync_is_caught_by_the_checksum_and_names_the_replica(
     coordinator, _, _ = _coordinator({"num_bytes": 1, "adapter_checksum": intended}, [got])
     with pytest.raises(AdapterMismatchError, match="generator replica 0 serves adapter"):
         coordinator.sync(4)
+
+
+@pytest.mark.integration
+def test_smollm2_serves_an_adapter_with_the_peft_models_logprobs(smollm2_dir):
+    """The real model (Llama, tied embeddings, 30 layers) with the default targets, rank 8:
+    the adapter loaded off the hot path (`load_weights`) as the sync registers it."""
+    from transformers import AutoTokenizer
+
+    from cagrpo_ray.rollout.engines import make_engine
+
+    spec = LoraSpec(rank=8, alpha=16.0, dropout=0.0, target_modules=SPEC.target_modules)
+    adapter = random_adapter(smollm2_dir, seed=4, spec=spec, scale=0.02)
+    engine = make_engine("vllm", smollm2_dir, seed=0, max_model_len=256, kv_cache_gib=1,
+                         enforce_eager=True, lora=spec)  # fmt: skip
+    try:
+        engine.load_weights(sorted(adapter.items()), version=1)
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+        prompts = [tokenizer(q).input_ids for q in ("What is 12+34?", "Name a colour.")]
+        groups = engine.generate(prompts, SamplingConfig(n=2, temperature=1.0, max_tokens=12,
+                                                         seed=1))  # fmt: skip
+    finally:
+        engine.close()
+    reference = peft_policy(smollm2_dir, adapter, spec)
+    assert max_logprob_error(reference, groups) < LOGPROB_ATOL
+    assert max_logprob_error(peft_policy(smollm2_dir, None, spec), groups) > 100 * LOGPROB_ATOL

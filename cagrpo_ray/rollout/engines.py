@@ -44,14 +44,16 @@ class Engine(Protocol):
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
-        """Load full tensors with Hugging Face names (off the hot path); set `version`."""
+        """Load full tensors with Hugging Face names (off the hot path); set `version`. With
+        a LoRA adapter: the adapter's tensors, named as PEFT saves them (policies/lora.py)."""
 
     def init_weight_sync(self, address: SyncAddress | dict, rank_offset: int) -> list[int]:
         """Join the learner's weight-sync group (address or its `asdict` form); return the
         ranks taken. Blocks until every rank has joined."""
 
     def receive_weights(self, version: int) -> dict:
-        """Receive `version` from the learner (who is inside `WeightSender.send`)."""
+        """Receive `version` from the learner (who is inside `WeightSender.send`); returns
+        {"version", "num_bytes", "seconds"} and, with a LoRA adapter, "adapter_checksum"."""
 
     def close(self) -> None:
         """Release the engine's processes and memory."""
