@@ -281,13 +281,16 @@ def test_a_synced_adapter_gives_the_peft_models_logprobs_in_vllm_and_hf(
     nbytes = sum(t.numel() * 4 for t in adapter.values())
     assert sent.num_bytes == got_vllm["num_bytes"] == nbytes  # the adapter only
     full = sum(p.numel() * 4 for p in base.get_base_model().parameters())
-    print(f"adapter bytes {nbytes} = {100 * nbytes / full:.2f}% of the model's {full}")
+    print(f"adapter {nbytes} bytes = {100 * nbytes / full:.2f}% of the model's {full}; "
+          f"received in {got_vllm['seconds']:.3f} s (vLLM), {got_hf['seconds']:.3f} s (HF)")  # fmt: skip
 
     reference = peft_policy(policy_dir, adapter)
     for engine in (vllm_engine, hf_engine):
         groups = engine.generate(prompts, SAMPLING)
         assert all(c.policy_version == 1 for g in groups for c in g)
-        assert max_logprob_error(reference, groups) < LOGPROB_ATOL
+        error = max_logprob_error(reference, groups)
+        print(f"{type(engine).__name__}: largest |log-prob - PEFT forward| {error:.2e}")
+        assert error < LOGPROB_ATOL
         # the adapter matters: the base model's log-probs of the same tokens are far off
         assert max_logprob_error(base, groups) > 100 * LOGPROB_ATOL
 
@@ -410,5 +413,7 @@ def test_smollm2_serves_an_adapter_with_the_peft_models_logprobs(smollm2_dir):
     finally:
         engine.close()
     reference = peft_policy(smollm2_dir, adapter, spec)
-    assert max_logprob_error(reference, groups) < LOGPROB_ATOL
+    error = max_logprob_error(reference, groups)
+    print(f"SmolLM2 rank 8: largest |vLLM log-prob - PEFT forward| {error:.2e}")
+    assert error < LOGPROB_ATOL
     assert max_logprob_error(peft_policy(smollm2_dir, None, spec), groups) > 100 * LOGPROB_ATOL
