@@ -28,7 +28,9 @@ def with_adapter(model: torch.nn.Module, spec: LoraSpec) -> torch.nn.Module:
     wrapped = peft.get_peft_model(model, spec.peft_config(), adapter_name=ADAPTER_NAME)
     for name, param in wrapped.named_parameters():
         if param.requires_grad != _is_adapter(name):
-            raise RuntimeError(f"LoRA wrapping left {name} with requires_grad={param.requires_grad}")
+            raise RuntimeError(
+                f"LoRA wrapping left {name} with requires_grad={param.requires_grad}"
+            )
         if param.requires_grad:
             param.data = param.data.float()
     return wrapped
