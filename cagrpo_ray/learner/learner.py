@@ -75,9 +75,10 @@ _CHECKPOINT_TAG = "learner"
 def adamw_with_schedule(model: torch.nn.Module, settings: LearnerSettings):
     """AdamW over `model`'s trainable parameters (all of them, or a LoRA adapter's; no weight
     decay on biases and norms, as usual for transformers) and its learning-rate schedule:
-    linear warm-up from lr / warmup_steps on the first step to lr, then `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule
-    counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step takes
-    ppo_epochs x mini_batches of those."""
+    linear warm-up from lr / warmup_steps on the first step to lr, then
+    `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule counts learner steps:
+    DeepSpeed steps it at every optimizer step, and a learner step takes ppo_epochs x
+    mini_batches of those."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
