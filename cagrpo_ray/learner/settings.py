@@ -167,11 +167,10 @@ class LearnerSettings:
                 f"dtype {self.dtype!r} is not one of float32, bfloat16 (float16 needs loss "
                 "scaling, which the learner does not implement)"
             )
-        if self.dtype == "bfloat16" and self.zero_stage == 0 and self.lora is None:
+        if self.dtype == "bfloat16" and self.zero_stage == 0:
             raise ValueError(
                 "bfloat16 needs ZeRO stage 1 or more: DeepSpeed accumulates stage 0's "
-                "gradients in bfloat16 only, and the learner accumulates in float32 (a LoRA "
-                "adapter is float32 itself, so stage 0 suits it)"
+                "gradients in bfloat16 only, and the learner accumulates in float32"
             )
 
 
