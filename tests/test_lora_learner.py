@@ -8,6 +8,7 @@ are the default LoRA targets; the float64 references merge W + (alpha / r) B A b
 
 from __future__ import annotations
 
+import deepspeed
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -67,11 +68,13 @@ def merged_float64(path, adapter: dict[str, torch.Tensor], spec: LoraSpec = SPEC
 
 
 def base_parameters(learner: Learner) -> dict[str, torch.Tensor]:
-    return {
-        name: param.detach().clone()
-        for name, param in learner.engine.module.named_parameters()
-        if "lora_" not in name
-    }
+    """The base's parameters, whole (gathered under ZeRO-3)."""
+    out = {}
+    for name, param in learner.engine.module.named_parameters():
+        if "lora_" not in name:
+            with deepspeed.zero.GatheredParameters([param], enabled=learner.zero_stage == 3):
+                out[name] = param.detach().clone()
+    return out
 
 
 # ----------------------------------------------------------------------------- unit
@@ -111,7 +114,9 @@ def test_the_loss_with_the_adapter_is_the_merged_models_and_the_reference_is_the
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize(("zero_stage", "dtype"), [(0, "float32"), (2, "bfloat16")])
+@pytest.mark.parametrize(
+    ("zero_stage", "dtype"), [(0, "float32"), (2, "bfloat16"), (3, "bfloat16")]
+)
 def test_a_step_moves_only_the_adapter_which_alone_the_optimizer_holds(
     policy_path, one_rank, zero_stage, dtype
 ):
@@ -129,6 +134,7 @@ def test_a_step_moves_only_the_adapter_which_alone_the_optimizer_holds(
         assert {id(p) for p in held} == adapter_ids
     else:  # one flat float32 partition of the adapter (padded for alignment)
         assert adapter_numel <= sum(p.numel() for p in held) < adapter_numel + 64
+        assert all(p.dtype == torch.float32 for p in held)
     base_before = base_parameters(learner)
     adapter_before = learner.state_dict_for_sync()
 

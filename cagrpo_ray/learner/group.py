@@ -227,7 +227,8 @@ class LearnerGroup:
         return shards
 
     def collect_sync_weights(self) -> dict[str, torch.Tensor]:
-        """Full parameters by HF name, from rank 0 (every rank takes part in the gathers)."""
+        """Full parameters by HF name (under LoRA the adapter's, by PEFT's names), from rank 0
+        (every rank takes part in the gathers)."""
         return self._call_all("state_dict_for_sync")[0]
 
     def foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
