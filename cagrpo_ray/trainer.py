@@ -10,7 +10,8 @@ far generation runs ahead of training; 0 is the synchronous schedule):
 A run directory holds `metrics.jsonl`, `checkpoints/step_NNNNNN/` (learner state; the
 schedule's state: step, data cursor, prompts in flight, and its buffered rollouts; the policy
 as a Hugging Face directory), `policy/` (the final policy, loadable by transformers, vLLM and
-`python -m cagrpo_ray.eval --model`), end-of-run plots and `summary.json` (with the step-0
+`python -m cagrpo_ray.eval --model`; under LoRA the adapter merged in), `adapter/` (under
+LoRA: the adapter in PEFT's format), end-of-run plots and `summary.json` (with the step-0
 evaluation, kept in `eval_before.json` for a run that resumes).
 """
 
@@ -46,6 +47,7 @@ from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 log = logging.getLogger("cagrpo_ray")
 
 POLICY_DIR = "policy"
+ADAPTER_DIR = "adapter"
 EVAL_BEFORE_FILE = "eval_before.json"  # the step-0 evaluation, for the summary of a resumed run
 EVAL_SEED = 12345
 
@@ -328,6 +330,9 @@ class Trainer:
                 summary["eval_after"] = self.evaluate("after")
             if cfg.run.save_policy != "never":
                 summary["policy_dir"] = self.learners.save_hf(str(self.run_dir / POLICY_DIR))
+                if cfg.model.lora.enabled:
+                    adapter_dir = str(self.run_dir / ADAPTER_DIR)
+                    summary["adapter_dir"] = self.learners.save_adapter(adapter_dir)
             summary["final_step"] = self.step
             summary["run_dir"] = str(self.run_dir)
             if cfg.metrics.inspect_every:

@@ -84,6 +84,9 @@ class LearnerActor:
     def save_hf(self, out_dir: str) -> str:
         return str(self.learner.save_hf(out_dir))
 
+    def save_adapter(self, out_dir: str) -> str:
+        return str(self.learner.save_adapter(out_dir))
+
     def open_weight_sender(
         self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
     ) -> dict | None:
@@ -224,7 +227,8 @@ class LearnerGroup:
         return shards
 
     def collect_sync_weights(self) -> dict[str, torch.Tensor]:
-        """Full parameters by HF name, from rank 0 (every rank takes part in the gathers)."""
+        """Full parameters by HF name (under LoRA the adapter's, by PEFT's names), from rank 0
+        (every rank takes part in the gathers)."""
         return self._call_all("state_dict_for_sync")[0]
 
     def foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
@@ -244,6 +248,11 @@ class LearnerGroup:
 
     def save_hf(self, out_dir: str) -> str:
         return self._call_all("save_hf", args_per_rank=[(str(out_dir),)] * self.num_learners)[0]
+
+    def save_adapter(self, out_dir: str) -> str:
+        """The LoRA adapter in PEFT's format (`Learner.save_adapter`)."""
+        args = [(str(out_dir),)] * self.num_learners
+        return self._call_all("save_adapter", args_per_rank=args)[0]
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -38,6 +38,13 @@ from cagrpo_ray.algo import (
     truncated_is_weights,
 )
 from cagrpo_ray.algo.registry import as_spec
+from cagrpo_ray.learner.adapter import (
+    BasePolicy,
+    adapter_names,
+    merged_policy,
+    save_adapter,
+    with_adapter,
+)
 from cagrpo_ray.learner.batch import BATCH_KEYS, check_batch
 from cagrpo_ray.learner.distributed import (
     RankReducer,
@@ -60,25 +67,28 @@ from cagrpo_ray.learner.ppo import (
     token_records,
 )
 from cagrpo_ray.learner.settings import LearnerSettings
+from cagrpo_ray.policies.lora import adapter_checksum
 
 _CHECKPOINT_TAG = "learner"
 
 
 def adamw_with_schedule(model: torch.nn.Module, settings: LearnerSettings):
-    """AdamW over `model`'s parameters (no weight decay on biases and norms, as usual for
-    transformers) and its learning-rate schedule: linear warm-up from lr / warmup_steps on the
-    first step to lr, then `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule
-    counts learner steps: DeepSpeed steps it at every optimizer step, and a learner step takes
-    ppo_epochs x mini_batches of those."""
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [
-            {"params": decay, "weight_decay": settings.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
-        lr=settings.lr,
-    )
+    """AdamW over `model`'s trainable parameters (all of them, or a LoRA adapter's; no weight
+    decay on biases and norms, as usual for transformers) and its learning-rate schedule:
+    linear warm-up from lr / warmup_steps on the first step to lr, then
+    `settings.lr_schedule` (`algo.schedules.lr_factor`). The schedule counts learner steps:
+    DeepSpeed steps it at every optimizer step, and a learner step takes ppo_epochs x
+    mini_batches of those."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": settings.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    # DeepSpeed drops an empty group (a LoRA adapter has no 1-D parameters), and the
+    # schedule must see the groups the optimizer keeps.
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=settings.lr)
     updates = settings.ppo_epochs * settings.mini_batches
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -100,6 +110,11 @@ class Learner:
     optimizer step on the whole batch, or `ppo_epochs` passes over its mini-batches; each
     update's loss is normalised over its (mini-)batch across ranks, so it does not depend on
     how the batch is cut into micro-batches and ranks.
+
+    With `settings.lora` it trains a LoRA adapter on the frozen base (`learner/adapter.py`):
+    the weight sync, the checkpoints and `save_adapter` then hold the adapter only, and the KL
+    reference (unless `ref_model_path` names another policy) is the same model with the
+    adapter switched off.
     """
 
     def __init__(
@@ -132,9 +147,13 @@ class Learner:
             settings.micro_batch_size,
             world_size,
             settings.grad_clip,
-            bf16=settings.dtype == "bfloat16",
+            # A LoRA adapter trains in float32 beside a frozen bfloat16 base: no mixed
+            # precision (which would cast the adapter to bfloat16 too).
+            bf16=settings.dtype == "bfloat16" and settings.lora is None,
         )
         model = self._load_model(self.model_path)
+        # (saved name, live parameter) of the adapter's tensors; None in full fine-tuning
+        self.adapter = adapter_names(model.policy) if settings.lora else None
         optimizer, scheduler = adamw_with_schedule(model, settings)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config
@@ -143,9 +162,12 @@ class Learner:
             keep_head_gathered(model)
         self.device = self.engine.device
         self.ref_model = None
-        ref_path = settings.ref_model_path or (self.model_path if loss.kl_coef > 0 else None)
-        if ref_path is not None:
-            self.ref_model = self._reference_model(str(ref_path))
+        if settings.ref_model_path is None and loss.kl_coef > 0 and settings.lora:
+            self.ref_model = BasePolicy(self.engine, model.policy)
+        else:
+            ref_path = settings.ref_model_path or (self.model_path if loss.kl_coef > 0 else None)
+            if ref_path is not None:
+                self.ref_model = self._reference_model(str(ref_path))
         self.passes = ForwardPasses(
             self.engine,
             self.ref_model,
@@ -178,9 +200,13 @@ class Learner:
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
         if trainable and s.gradient_checkpointing:
+            # Non-reentrant checkpointing differentiates the adapters inside a checkpointed
+            # layer without PEFT's `enable_input_require_grads` (the reentrant kind needs it).
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        if trainable and s.lora:
+            model = with_adapter(model, s.lora)
         model.train(trainable)
         return TokenLogprobs(model, self.temperature, s.logits_chunk_mib)
 
@@ -336,7 +362,9 @@ class Learner:
     # ----------------------------------------------------------------------------- weights
 
     def iter_sync_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, full tensor) on rank 0, for the weight broadcast.
+        """Yield (HF parameter name, full tensor) on rank 0, for the weight broadcast; under
+        LoRA only the adapter's, named and laid out as PEFT saves them (`policies/lora.py`),
+        float32.
 
         Every rank must iterate to the end: under ZeRO-3 each parameter is gathered from all
         ranks in turn. Other ranks yield nothing. Tied weights appear once (under the name of
@@ -344,7 +372,8 @@ class Learner:
         The tensors are copies under ZeRO-3 (the gathered storage is freed after each one) and
         the live parameters otherwise, so a consumer that keeps them must copy them.
         """
-        for name, param in self.engine.module.policy.named_parameters():
+        named = self.adapter or self.engine.module.policy.named_parameters()
+        for name, param in named:
             if self.zero_stage == 3:
                 with deepspeed.zero.GatheredParameters([param]):
                     if self.rank == 0:
@@ -402,13 +431,18 @@ class Learner:
             for _ in tensors:
                 pass
             return {}
+        sent: list[tuple[str, torch.Tensor]] = []  # the adapter's, for its checksum
+        if self.adapter is not None:
+            tensors = _recorded(tensors, sent)
         try:
-            stats = self.weight_sender.send(tensors, version)
+            stats = asdict(self.weight_sender.send(tensors, version))
         except WeightSyncError as exc:
             for _ in tensors:  # keep every rank's ZeRO-3 gathers matched
                 pass
             return {"error": str(exc)}
-        return asdict(stats)
+        if self.adapter is not None:
+            stats["adapter_checksum"] = adapter_checksum(sent)
+        return stats
 
     def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
         """All of `iter_sync_weights` as one CPU dict on rank 0 (empty on other ranks)."""
@@ -416,16 +450,35 @@ class Learner:
 
     def save_hf(self, out_dir: str | Path) -> Path:
         """Write the current policy in the Hugging Face layout (config, safetensors, tokenizer,
-        generation config), loadable by transformers and vLLM. Every rank must call it; rank 0
-        writes."""
+        generation config), loadable by transformers and vLLM; under LoRA the adapter merged
+        into the base in float32, then cast to the model's dtype (no PEFT modules). Every
+        rank must call it; rank 0 writes."""
         out = Path(out_dir)
         state = self.state_dict_for_sync()
         if self.rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.engine.module.policy.save_pretrained(
-                out, state_dict=state, safe_serialization=True
-            )
+            if self.adapter is not None:
+                dtype = getattr(torch, self.settings.dtype)
+                policy = merged_policy(self.model_path, dtype, self.settings.lora, state)
+                policy.save_pretrained(out, safe_serialization=True)
+            else:
+                self.engine.module.policy.save_pretrained(
+                    out, state_dict=state, safe_serialization=True
+                )
             AutoTokenizer.from_pretrained(self.model_path).save_pretrained(out)
+        self._barrier()
+        return out
+
+    def save_adapter(self, out_dir: str | Path) -> Path:
+        """Write the LoRA adapter in PEFT's format (`adapter_config.json`,
+        `adapter_model.safetensors`), which `PeftModel.from_pretrained(base, out_dir)` loads.
+        Every rank must call it; rank 0 writes."""
+        if self.adapter is None:
+            raise RuntimeError("save_adapter needs a LoRA adapter (model.lora.rank > 0)")
+        out = Path(out_dir)
+        state = self.state_dict_for_sync()
+        if self.rank == 0:
+            save_adapter(out, self.settings.lora, self.model_path, state)
         self._barrier()
         return out
 
@@ -433,11 +486,18 @@ class Learner:
 
     def save_checkpoint(self, ckpt_dir: str | Path, client_state: dict | None = None) -> None:
         """Save model, optimizer and lr-scheduler state (DeepSpeed layout), the step, the
-        caller's `client_state`, and this rank's RNG states. Every rank must call it."""
+        caller's `client_state`, and this rank's RNG states; under LoRA the adapter and its
+        optimizer state only (the frozen base is the policy at model_path). Every rank must
+        call it."""
         ckpt = Path(ckpt_dir)
         ckpt.mkdir(parents=True, exist_ok=True)
         state = {"learner_step": self.step, "client_state": dict(client_state or {})}
-        self.engine.save_checkpoint(str(ckpt), tag=_CHECKPOINT_TAG, client_state=state)
+        self.engine.save_checkpoint(
+            str(ckpt),
+            tag=_CHECKPOINT_TAG,
+            client_state=state,
+            exclude_frozen_parameters=self.adapter is not None,
+        )
         torch.save(rng_state(), ckpt / f"rng_rank{self.rank}.pt")
         self._barrier()
 
@@ -447,7 +507,10 @@ class Learner:
         ckpt = Path(ckpt_dir)
         if not (ckpt / _CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"no learner checkpoint in {ckpt} (missing {_CHECKPOINT_TAG}/)")
-        path, state = self.engine.load_checkpoint(str(ckpt), tag=_CHECKPOINT_TAG)
+        # Under LoRA the checkpoint lacks the frozen base, which the model already holds.
+        path, state = self.engine.load_checkpoint(
+            str(ckpt), tag=_CHECKPOINT_TAG, load_module_strict=self.adapter is None
+        )
         if path is None:
             raise RuntimeError(f"DeepSpeed could not load the learner checkpoint in {ckpt}")
         self.step = int(state["learner_step"])
@@ -457,3 +520,12 @@ class Learner:
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+def _recorded(
+    named_tensors: Iterator[tuple[str, torch.Tensor]], into: list[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`named_tensors`, each pair also appended to `into` as it passes (what a sync sent)."""
+    for pair in named_tensors:
+        into.append(pair)
+        yield pair

@@ -11,6 +11,7 @@ directly are derived here, where they are used, and the config keeps what the us
   (run.max_staleness > 0), no correction when it is synchronous; 0: no correction.
 - the mini-batches per pass: the rollout batch over `algorithm.mini_batch_size`.
 - Dr.GRPO's constant L: `rollout.max_tokens`; the decay horizon of the lr schedule: `run.steps`.
+- the adapter: `model.lora` as a `LoraSpec` (None when model.lora.rank is 0).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from cagrpo_ray.algo.registry import LossSpec
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.config import DEFAULT_TIS_CAP, Config
+from cagrpo_ray.policies.lora import LoraSpec
 
 # LearnerSettings field -> the config key whose value (and default) it takes. The other fields
 # are DERIVED from several keys by `learner_settings`, or NOT_IN_CONFIG.
@@ -44,7 +46,7 @@ LEARNER_KEYS = {
     "share_prompts": "learner.share_prompts",
     "dist_timeout_s": "learner.dist_timeout_s",
 }
-DERIVED = ("model_path", "max_response_length", "total_steps", "mini_batches")
+DERIVED = ("model_path", "max_response_length", "total_steps", "mini_batches", "lora")
 NOT_IN_CONFIG = ("ref_model_path", "num_threads")  # set by tests, benchmarks and the group
 
 # LossSpec field -> the config key whose value it takes: `name` is algorithm.policy_loss, every
@@ -87,6 +89,9 @@ class LearnerSettings:
     dtype: parameter dtype, the generators' too ("float32" or "bfloat16"; float16 would need
         loss scaling, which is not implemented). bfloat16 trains with fp32 master weights and
         fp32 gradient accumulation (ZeRO stage 1 and up).
+    lora: the low-rank adapter to train on the frozen base (None: full fine-tuning). The base
+        stays in `dtype` with no gradient or optimizer state; the adapter, its gradients and
+        its optimizer state are float32.
     gradient_checkpointing: recompute each decoder layer in the backward pass instead of
         keeping its activations (non-reentrant; the model stays in train mode, dropout 0).
     logits_chunk_mib: memory for one chunk of the output head's float32 work (`logprobs.py`).
@@ -130,6 +135,7 @@ class LearnerSettings:
     share_prompts: bool = _config_default("share_prompts")
     num_threads: int = 1
     dist_timeout_s: float = _config_default("dist_timeout_s")
+    lora: LoraSpec | None = None
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -193,5 +199,6 @@ def learner_settings(config: Config, model_path: str) -> LearnerSettings:
         max_response_length=r.max_tokens,
         total_steps=config.run.steps,
         mini_batches=responses // (a.mini_batch_size or responses),
+        lora=LoraSpec.from_config(config.model.lora),
         **{field: config_value(config, key) for field, key in LEARNER_KEYS.items()},
     )

@@ -19,6 +19,15 @@ and bfloat16 stages 1 to 3, see tests/test_plan_memory.py):
 
 bfloat16 models accumulate gradients in float32 (learner/distributed.py), so DeepSpeed runs its
 BF16_Optimizer at stage 1 (no reduce bucket) and fp32 gradient partitions at stages 2 and 3.
+
+Under LoRA (`model.lora.rank` r > 0) the base keeps only its weights (sP, or sP/N at stage 3)
+and the table's gradient and optimizer rows hold for the adapter's T parameters in float32
+(DeepSpeed's bf16 mode is off: the trained parameters are float32 themselves), with
+T = layers x r x sum(in + out) over the targeted linear layers (`lora_parameters`). The adapter's
+weights add 4T on every rank (its tensors are under ZeRO-3's persistence threshold in the
+recipes, so kept whole); the KL reference is the base with the adapter off (no copy); the head
+is frozen (no head gradient). A vLLM generator with LoRA adds its adapter slots' buffers
+(`lora_slot_bytes`).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import math
 from dataclasses import dataclass, field
 
 from cagrpo_ray.config import Config
+from cagrpo_ray.config.sections import LoraConfig
 from cagrpo_ray.plan.shapes import ModelShape
 
 GiB = 2**30
@@ -83,6 +93,48 @@ class Estimate:
         return max(self.components, key=lambda c: c.bytes)
 
 
+# ----------------------------------------------------------------------------- LoRA
+
+
+def lora_targets(shape: ModelShape, lora: LoraConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer of a decoder layer that `lora.target_modules` names."""
+    layers = shape.linear_layers()
+    unknown = [name for name in lora.target_modules if name not in layers]
+    if unknown:
+        raise ValueError(
+            f"model.lora.target_modules {unknown} are not linear layers the planner knows; "
+            f"allowed: {', '.join(layers)}"
+        )
+    return {name: layers[name] for name in lora.target_modules}
+
+
+def lora_parameters(shape: ModelShape, lora: LoraConfig) -> int:
+    """T, the adapter's parameters: per layer and target, A [r, in] and B [out, r]."""
+    per_layer = sum(i + o for i, o in lora_targets(shape, lora).values())
+    return shape.layers * lora.rank * per_layer
+
+
+def lora_activation_bytes(shape: ModelShape, lora: LoraConfig, s: int) -> int:
+    """Bytes per token that one decoder layer's adapters save for backward: each target's
+    float32 A x (4r), and, on a bfloat16 base, the float32 copy of its input that PEFT makes
+    for A (4 x in; on a float32 base the frozen base layer keeps no input, the adapter does)."""
+    targets = lora_targets(shape, lora).values()
+    return sum(4 * lora.rank + (4 * i if s < 4 else 0) for i, _ in targets)
+
+
+def lora_slots(config: Config) -> int:
+    """Adapters a generator keeps registered: one per policy version a request in flight may
+    have started with, run.max_staleness + 1."""
+    return config.run.max_staleness + 1
+
+
+def lora_slot_bytes(config: Config, shape: ModelShape) -> int:
+    """vLLM's LoRA buffers on one TP rank: per slot and targeted layer, A [r, in] and B [out, r]
+    stacked in the model dtype (counted whole: an upper bound under tensor parallelism)."""
+    s = DTYPE_BYTES[config.model.dtype]
+    return lora_slots(config) * s * lora_parameters(shape, config.model.lora)
+
+
 # ----------------------------------------------------------------------------- activations
 
 
@@ -109,8 +161,11 @@ def layer_activation_bytes(shape: ModelShape, s: int) -> int:
     return 2 * norm + attention + mlp
 
 
-def activation_bytes(shape: ModelShape, s: int, rows: int, width: int, checkpointing: bool):
-    """Bytes alive at the start of backward for one micro-batch of `rows` x `width` tokens.
+def activation_bytes(
+    shape: ModelShape, s: int, rows: int, width: int, checkpointing: bool, adapter: int = 0
+):
+    """Bytes alive at the start of backward for one micro-batch of `rows` x `width` tokens;
+    `adapter`: a LoRA adapter's bytes per token and layer (`lora_activation_bytes`).
 
     Without checkpointing every layer keeps `layer_activation_bytes`. With it (non-reentrant,
     per decoder layer) a layer keeps only its input (sH per token) and the backward pass
@@ -118,7 +173,7 @@ def activation_bytes(shape: ModelShape, s: int, rows: int, width: int, checkpoin
     the final norm, RoPE's cos and sin, and the [rows, 1, w, w] boolean attention mask.
     """
     tokens = rows * width
-    layer = layer_activation_bytes(shape, s)
+    layer = layer_activation_bytes(shape, s) + adapter
     per_token_once = (4 + 2 * s) * shape.hidden_size + 2 * shape.head_dim * s
     if checkpointing:
         kept = shape.layers * s * shape.hidden_size + layer
@@ -127,17 +182,21 @@ def activation_bytes(shape: ModelShape, s: int, rows: int, width: int, checkpoin
     return tokens * (kept + per_token_once) + rows * width * width
 
 
-def logits_bytes(shape: ModelShape, s: int, tokens: int, budget_mib: float) -> int:
+def logits_bytes(
+    shape: ModelShape, s: int, tokens: int, budget_mib: float, head_gradient: bool = True
+) -> int:
     """The output head's work in backward (learner/logprobs.py): one chunk of positions whose
     backward holds five float32 [positions, V] tensors (logits, exp(z - logsumexp), the gather's
     gradient and their sum; measured 1.65 x the chunk budget, which counts three) plus, for
     bfloat16, the head's output and its gradient; and the head weight's gradient summed over the
-    chunks (autograd's buffer plus one chunk's new gradient, 2 x V x H x s)."""
+    chunks (autograd's buffer plus one chunk's new gradient, 2 x V x H x s), unless the head is
+    frozen (`head_gradient` False: LoRA)."""
     from cagrpo_ray.learner.logprobs import chunk_positions  # imports DeepSpeed: only when used
 
     positions = min(tokens, chunk_positions(shape.vocab_size, budget_mib))
     per_position = shape.vocab_size * (20 + (2 * s if s < 4 else 0))
-    return positions * per_position + 2 * shape.vocab_size * shape.hidden_size * s
+    head = 2 * shape.vocab_size * shape.hidden_size * s if head_gradient else 0
+    return positions * per_position + head
 
 
 # ----------------------------------------------------------------------------- learner
@@ -154,7 +213,14 @@ def learner_memory(config: Config, shape: ModelShape, device: str = "cuda") -> E
 
     lc, s = config.learner, DTYPE_BYTES[config.model.dtype]
     p, n, stage = shape.parameters(), lc.num_learners, lc.zero_stage
-    bf16 = s < 4
+    lora = config.model.lora if config.model.lora.enabled else None
+    # t: the trained parameters; bf16: mixed precision (bfloat16 weights, float32 master);
+    # g: the trained parameters' (and their gradients') bytes
+    if lora:
+        t, bf16, g = lora_parameters(shape, lora), False, 4
+        largest_trained = lora.rank * max(max(io) for io in lora_targets(shape, lora).values())
+    else:
+        t, bf16, g, largest_trained = p, s < 4, s, shape.largest_tensor()
     r = config.rollout
     rows_per_rank = math.ceil(r.prompts_per_step / n) * r.group_size
     rows = min(lc.micro_batch_size, rows_per_rank)
@@ -164,43 +230,47 @@ def learner_memory(config: Config, shape: ModelShape, device: str = "cuda") -> E
     def add(name: str, nbytes: float, phase: str, note: str) -> None:
         comps.append(Component(name, int(nbytes), phase, note))
 
-    # model states
+    # model states (P: t below, the trained parameters: all, or the adapter's T)
     if stage == 3:
         weights = s * (p / n + shape.persistent_parameters())
         add("weights", weights, "resident", "sP/N, plus the small tensors ZeRO-3 keeps whole")
     else:
         add("weights", s * p, "resident", "sP: every rank holds the whole model")
+    if lora:
+        add("adapter", 4 * t, "resident", f"4T: the LoRA adapter (rank {lora.rank}), float32")
     if stage == 0:
-        add("gradients", 4 * p, "resident", "4P: float32 gradients of every parameter")
-        add("optimizer", 8 * p, "resident", "8P: AdamW's two moments (the weights are fp32)")
+        add("gradients", 4 * t, "resident", "4P: float32 gradients of every trained parameter")
+        add("optimizer", 8 * t, "resident", "8P: AdamW's two moments (the weights are fp32)")
     else:
         if stage == 1 and bf16:
-            grads, note = 6 * p, "BF16_Optimizer: 4P float32 accumulation buffer + 2P bf16 grads"
+            grads, note = 6 * t, "BF16_Optimizer: 4P float32 accumulation buffer + 2P bf16 grads"
         else:
-            grads, note = 4 * p / n, "4P/N: this rank's float32 gradient partition"
+            grads, note = 4 * t / n, "4P/N: this rank's float32 gradient partition"
         add("gradients", grads, "resident", note)
-        master = 0 if (stage == 3 and not bf16) else 4 * p / n
-        add("optimizer", master + 8 * p / n, "resident", "fp32 master partition + 2 moments")
-    if config.algorithm.kl_coef > 0:
+        master = 0 if (stage == 3 and not bf16) else 4 * t / n
+        add("optimizer", master + 8 * t / n, "resident", "fp32 master partition + 2 moments")
+    if config.algorithm.kl_coef > 0 and not lora:  # LoRA's reference: the adapter switched off
         ref = s * (p / n + shape.persistent_parameters()) if stage == 3 else s * p
         add("reference", ref, "resident", "the frozen reference policy (kl_coef > 0)")
 
     # gradient reduction buffers
-    reduce_elements = min(p, REDUCE_BUCKET_ELEMENTS)
+    reduce_elements = min(t, REDUCE_BUCKET_ELEMENTS)
     if stage == 3:
-        add("reduce_bucket", s * REDUCE_BUCKET_ELEMENTS, "resident", "ZeRO-3's reduce bucket")
-        gathered = s * (2 * shape.largest_tensor() + min(p, PREFETCH_ELEMENTS))
-        add("gathered", gathered, "backward", "largest gathered tensor + its gradient, prefetch")
+        add("reduce_bucket", g * REDUCE_BUCKET_ELEMENTS, "resident", "ZeRO-3's reduce bucket")
+        gathered_gradient = 0 if lora else shape.largest_tensor()
+        gathered = s * (shape.largest_tensor() + gathered_gradient + min(p, PREFETCH_ELEMENTS))
+        what = "largest gathered tensor" + ("" if lora else " + its gradient") + ", prefetch"
+        add("gathered", gathered, "backward", what)
         add(
             "reduce",
-            s * reduce_elements + 4 * reduce_elements / n,
+            g * reduce_elements + 4 * reduce_elements / n,
             "backward",
             "a flat copy of the bucket's gradients, its float32 partition",
         )
     elif stage in (1, 2) and not (stage == 1 and bf16):
         add(
             "reduce_bucket",
-            s * (REDUCE_BUCKET_ELEMENTS + p / n),
+            g * (REDUCE_BUCKET_ELEMENTS + t / n),
             "backward",
             "ZeRO-1/2 reduce bucket (every backward) + a flat copy of the partition",
         )
@@ -208,14 +278,21 @@ def learner_memory(config: Config, shape: ModelShape, device: str = "cuda") -> E
     # one micro-batch
     add(
         "activations",
-        activation_bytes(shape, s, rows, width, lc.gradient_checkpointing),
+        activation_bytes(
+            shape,
+            s,
+            rows,
+            width,
+            lc.gradient_checkpointing,
+            lora_activation_bytes(shape, lora, s) if lora else 0,
+        ),
         "backward",
         f"{rows} x {width} tokens"
         + (", checkpointed per layer" if lc.gradient_checkpointing else ""),
     )
     add(
         "logits",
-        logits_bytes(shape, s, rows * width, lc.logits_chunk_mib),
+        logits_bytes(shape, s, rows * width, lc.logits_chunk_mib, head_gradient=not lora),
         "backward",
         f"learner.logits_chunk_mib {lc.logits_chunk_mib:g} chunk + head gradient",
     )
@@ -227,23 +304,29 @@ def learner_memory(config: Config, shape: ModelShape, device: str = "cuda") -> E
     )
 
     # after the last backward
-    optimizer_tensor = p if stage == 0 else p / n
+    optimizer_tensor = t if stage == 0 else t / n
     if device == "cuda":
         adam = 4 * optimizer_tensor
     else:
-        adam = 2 * 4 * (shape.largest_tensor() if stage == 0 else optimizer_tensor)
+        adam = 2 * 4 * (largest_trained if stage == 0 else optimizer_tensor)
     if stage == 0 or (stage == 1 and bf16):
-        flatten = 4 * min(p, ALLREDUCE_BUCKET_ELEMENTS)  # the all-reduce's flat gradients
+        flatten = 4 * min(t, ALLREDUCE_BUCKET_ELEMENTS)  # the all-reduce's flat gradients
         add("optimizer_step", max(flatten, adam), "step", "all-reduce's flat grads, or AdamW")
     elif stage == 3:
-        add("optimizer_step", 4 * p / n + adam, "step", "flat fp32 gradient partition + AdamW")
+        add("optimizer_step", 4 * t / n + adam, "step", "flat fp32 gradient partition + AdamW")
     else:
-        add("optimizer_step", adam + (0 if bf16 else 4 * p / n), "step", "AdamW's temporaries")
+        add("optimizer_step", adam + (0 if bf16 else 4 * t / n), "step", "AdamW's temporaries")
     if device == "cuda":
         add("cuda_context", CUDA_CONTEXT_BYTES, "resident", "allowance: context, workspaces")
     return Estimate(
         tuple(comps),
-        {"rows": rows, "width": width, "tokens": rows * width, "parameters": p},
+        {
+            "rows": rows,
+            "width": width,
+            "tokens": rows * width,
+            "parameters": p,
+            "trained_parameters": t,
+        },
     )
 
 
@@ -275,6 +358,7 @@ def generator_memory(config: Config, shape: ModelShape, gpu_memory_bytes: int) -
     sampler = VLLM_PROFILE_SEQUENCES * shape.vocab_size * 20
     comps = [
         Component("weights", int(weights), "resident", f"sP/{tp} (tensor parallel)"),
+        *_lora_slots_component(config, shape),
         Component(
             "activations",
             int(forward + sampler),
@@ -302,12 +386,21 @@ def generator_memory(config: Config, shape: ModelShape, gpu_memory_bytes: int) -
     )
 
 
+def _lora_slots_component(config: Config, shape: ModelShape) -> list[Component]:
+    if not config.model.lora.enabled:
+        return []
+    slots = lora_slots(config)
+    note = f"{slots} LoRA slot(s) (run.max_staleness + 1) of rank {config.model.lora.rank}"
+    return [Component("lora_slots", lora_slot_bytes(config, shape), "resident", note)]
+
+
 def cpu_generator_memory(config: Config, shape: ModelShape) -> Estimate:
     """A vLLM generator on the CPU: its weights and the configured KV cache."""
     s = DTYPE_BYTES[config.model.dtype]
     return Estimate(
         (
             Component("weights", s * shape.parameters(), "resident", "sP"),
+            *_lora_slots_component(config, shape),
             Component(
                 "kv_cache",
                 int(config.rollout.kv_cache_gib * GiB),

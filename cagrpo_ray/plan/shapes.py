@@ -60,6 +60,20 @@ class ModelShape:
         head = [] if self.tied_embeddings else [self.vocab_size * h]
         return [self.vocab_size * h, *layer * self.layers, h, *head]
 
+    def linear_layers(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each linear layer of one decoder layer, by its
+        Hugging Face name (the names LoRA's `target_modules` use)."""
+        h, a, kv, i = self.hidden_size, self.attention_width, self.kv_width, self.intermediate_size
+        return {
+            "q_proj": (h, a),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (a, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
     def parameters(self) -> int:
         """Number of parameters: embeddings, per layer 2 norms, q/k/v (+ biases) and o
         projections, gate/up/down, then the final norm and the head (none when tied)."""
