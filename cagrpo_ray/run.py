@@ -11,8 +11,9 @@ The command runs the driver in a session of its own under a small outer process
 group, finishes the current step, writes a checkpoint, stops the run's actors and the local
 Ray cluster, and nothing the run started is left running. Exit status: 0 when the run
 finished; 128 + the signal's number when a signal stopped it (143 SIGTERM, 130 Ctrl-C), its
-checkpoint written, so that a scheduler retries it (and `--resume auto` continues it);
-2 for bad input; 1 for any other error.
+checkpoint written, so that no scheduler takes it for a finished run (`--resume auto`
+continues it); 2 for bad input; 1 for any other error.
+
 The console shows the project's lines and ends with the final table; what Ray, vLLM and
 DeepSpeed print is in `runs/<name>/logs/` (`cagrpo_ray/console.py`).
 """

