@@ -153,7 +153,8 @@ def ended(tmp_path_factory) -> dict[str, Ended]:
     runs = {}
     for way in WAYS:
         runs[way] = run = end_one_run(way, policy, out)
-        print(f"{way}: exit status {run.status} {run.exit_s:.1f} s after the signal, "
+        after = "its first step" if way == "finishes" else "the signal"
+        print(f"{way}: exit status {run.status} {run.exit_s:.1f} s after {after}, "
               f"{len(run.left)} of its processes left")  # fmt: skip
     return runs
 
