@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-import psutil
+import psutil  # a dependency of Ray and vLLM
 
 DRIVER_ENV = "CAGRPO_RAY_DRIVER"  # set in the driver: it runs the run instead of starting one
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
