@@ -21,6 +21,8 @@ import yaml
 from cagrpo_ray.config import Config, ConfigError, from_dict, load_config, parse_overrides
 
 PROCESS_GROUP_CLEANUP = "RAY_process_group_cleanup_enabled"
+GCS_RECONNECT_TIMEOUT = "RAY_gcs_rpc_server_reconnect_timeout_s"
+LOCAL_GCS_RECONNECT_TIMEOUT_S = 15
 
 
 def run_training(config: Config, resume: bool = False) -> dict:
@@ -43,6 +45,9 @@ def run_training(config: Config, resume: bool = False) -> dict:
         # exits: a replica that dies takes its vLLM engine's processes with it
         # (tests/test_replica_exit.py). A cluster started elsewhere sets it itself (k8s/).
         os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
+        # A local cluster's GCS that stops answering is gone (it is not restarted): the
+        # driver gives up after this many seconds, not Ray's 60.
+        os.environ.setdefault(GCS_RECONNECT_TIMEOUT, str(LOCAL_GCS_RECONNECT_TIMEOUT_S))
         # Logical CPUs only schedule actors; a 2-core machine hosts the whole pipeline.
         num_cpus = config.run.ray_num_cpus or max(
             os.cpu_count() or 1, math.ceil(required_cpus(config))

@@ -1,9 +1,19 @@
-"""Entry point: `python -m cagrpo_ray.run --config configs/cpu-tiny.yaml [--resume]`
+"""Entry point: `python -m cagrpo_ray.run --config configs/cpu-tiny.yaml [--resume auto]`
 (`cagrpo_ray/api.py` has the same run as `train()`, for a script or a notebook).
 
 Joins the Ray cluster named by `RAY_ADDRESS` (as inside `ray job submit`) or starts a local
-one, then trains as the config says. Ctrl-C or SIGTERM finishes the current step, writes a
-checkpoint and exits cleanly; `--resume` continues from the latest checkpoint of the run.
+one, then trains as the config says. `--resume auto` (or `--resume` alone) continues from the
+latest checkpoint of the run directory that verifies, and starts at step 0 when there is none,
+so the same command serves a first attempt and every retry.
+
+The command runs the driver in a session of its own under a small outer process
+(`cagrpo_ray/supervisor.py`): Ctrl-C or SIGTERM, to this process or to its whole process
+group, finishes the current step, writes a checkpoint, stops the run's actors and the local
+Ray cluster, and nothing the run started is left running. Exit status: 0 when the run
+finished; 128 + the signal's number when a signal stopped it (143 SIGTERM, 130 Ctrl-C), its
+checkpoint written, so that no scheduler takes it for a finished run (`--resume auto`
+continues it); 2 for bad input; 1 for any other error.
+
 The console shows the project's lines and ends with the final table; what Ray, vLLM and
 DeepSpeed print is in `runs/<name>/logs/` (`cagrpo_ray/console.py`).
 """
@@ -11,6 +21,7 @@ DeepSpeed print is in `runs/<name>/logs/` (`cagrpo_ray/console.py`).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -21,13 +32,19 @@ from cagrpo_ray.api import (  # noqa: F401  (PROCESS_GROUP_CLEANUP: the tests st
     run_training,
 )
 from cagrpo_ray.config import ConfigError, add_config_args, load_config, to_yaml
+from cagrpo_ray.supervisor import DRIVER_ENV, supervise
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cagrpo_ray.run", description=__doc__)
     add_config_args(parser)
     parser.add_argument(
-        "--resume", action="store_true", help="Continue from the latest checkpoint."
+        "--resume",
+        nargs="?",
+        const="auto",
+        choices=["auto"],
+        help="auto (the same as --resume alone): continue from the latest checkpoint of the "
+        "run directory that verifies, or start at step 0 when it has none.",
     )
     parser.add_argument("--print-config", action="store_true", help="Print the resolved config.")
     args = parser.parse_args(argv)
@@ -41,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_dir = Path(config.run.output_dir) / config.run.name
     try:
-        summary = run_training(config, resume=args.resume)
+        summary = run_training(config, resume=args.resume == "auto")
     except Exception as exc:
         error = exc
     else:
@@ -66,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(where_the_output_is(error, run_dir), file=sys.stderr)
         return 1
     print(final_report(summary), flush=True)  # the last thing printed
-    return 0
+    stop_signal = summary.get("stop_signal")
+    return 128 + stop_signal if stop_signal else 0  # the shell's status for a signal's end
 
 
 def where_the_output_is(error: BaseException, run_dir: Path) -> str:
@@ -81,4 +99,4 @@ def where_the_output_is(error: BaseException, run_dir: Path) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main() if os.environ.get(DRIVER_ENV) else supervise(sys.argv[1:]))

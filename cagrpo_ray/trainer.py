@@ -89,6 +89,7 @@ class Trainer:
         self.scheduler: Scheduler | None = None
         self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
         self.stop_requested = False
+        self.stop_signal: int | None = None  # the signal that stopped the run, if one did
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
         self.trackers = Trackers([])  # metrics.loggers: W&B, MLflow, TensorBoard
@@ -326,6 +327,7 @@ class Trainer:
             if self.stop_requested:
                 log.warning("stopped by signal at step %d; checkpoint written", self.step)
                 summary["stopped_at"] = self.step
+                summary["stop_signal"] = self.stop_signal
             else:
                 summary["eval_after"] = self.evaluate("after")
             if cfg.run.save_policy != "never":
@@ -407,6 +409,7 @@ class Trainer:
         def request_stop(signum, _frame):
             log.warning("signal %d: finishing this step, then checkpointing", signum)
             self.stop_requested = True
+            self.stop_signal = self.stop_signal or signum
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, request_stop)

@@ -388,7 +388,7 @@ def test_rayjob_runs_the_async_config_and_resumes_on_the_shared_volume():
     job = one("RayJob")["spec"]
     argv = shlex.split(job["entrypoint"])
     assert argv[:5] == ["python", "-m", "cagrpo_ray.run", "--config", "configs/async.yaml"]
-    assert "--resume" in argv
+    assert argv[argv.index("--resume") + 1] == "auto"  # a retry continues, a first try starts
     overrides = dict(argv[i + 1].split("=", 1) for i, word in enumerate(argv) if word == "--set")
     # The resolved config trains asynchronously on GPUs and fits the cluster's 16 GPUs.
     configs = [ROOT / argv[i + 1] for i, word in enumerate(argv) if word == "--config"]

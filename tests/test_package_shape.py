@@ -45,8 +45,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the driver: the schedule (a plain state machine), the Ray loop that feeds it, and the
     # trainer that composes a run
     ("driver", {"schedule", "scheduler", "trainer"}),
-    # the entry points: the command line and the Python API
-    ("entry", {"run", "api"}),
+    # the entry points: the command line (and its outer process) and the Python API
+    ("entry", {"run", "api", "supervisor"}),
 ]
 
 

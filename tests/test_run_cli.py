@@ -1,8 +1,10 @@
 """`python -m cagrpo_ray.run` with bad input: one clear line and exit status 2, no traceback,
-nothing started that outlives the error; and the short report a finished run prints."""
+nothing started that outlives the error; the short report a finished run prints; and the
+checkpoint `--resume auto` continues from (tests/test_run_exits.py runs it end to end)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -76,3 +78,52 @@ def test_the_final_report_is_a_short_table_with_the_paths():
     }
     rows = [line.split()[0] for line in final_report(one).splitlines()[1:4]]
     assert rows == ["pass@1", "maj@1", "mean"]  # one sample: pass@1 once
+
+
+class _Learners:
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    def load_checkpoint(self, path: str) -> None:
+        self.loaded.append(path)
+
+
+class _Scheduler:
+    step = 0
+
+    def load(self, path) -> None:
+        self.step = json.loads((path / "trainer_state.json").read_text())["step"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "written, damaged, expected",
+    [((), None, None), ((2,), None, 2), ((2, 4), 4, 2)],
+    ids=["fresh-directory", "one-checkpoint", "corrupt-latest"],
+)
+def test_resume_auto_continues_from_the_newest_checkpoint_that_verifies_else_starts_fresh(
+    tmp_path, written, damaged, expected
+):
+    """What `--resume auto` makes the trainer load: nothing in a run directory without a
+    checkpoint (the run starts at step 0), else the newest checkpoint that verifies."""
+    from cagrpo_ray.checkpoints import write_checkpoint
+    from cagrpo_ray.config import load_config
+    from cagrpo_ray.trainer import Trainer
+
+    config = load_config("configs/cpu-tiny.yaml", [f"run.output_dir={tmp_path}", "run.name=r"])
+    trainer = Trainer(config, resume=True)
+    for step in written:
+        with write_checkpoint(trainer.ckpt_root, f"step_{step:06d}", keep=5) as path:
+            (path / "learner").mkdir()
+            (path / "learner" / "model.pt").write_bytes(b"weights" * 100)
+            (path / "trainer_state.json").write_text(json.dumps({"step": step}))
+    if damaged is not None:  # a write torn by a crash, found by the manifest's size
+        model = trainer.ckpt_root / f"step_{damaged:06d}" / "learner" / "model.pt"
+        model.write_bytes(model.read_bytes()[:100])
+    trainer.learners, trainer.scheduler = _Learners(), _Scheduler()
+    trainer._load_latest_checkpoint()
+    if expected is None:
+        assert trainer.step == 0 and trainer.learners.loaded == []
+    else:
+        assert trainer.step == expected
+        assert trainer.learners.loaded == [str(trainer.ckpt_root / f"step_{expected:06d}/learner")]

@@ -39,6 +39,7 @@ keyed by its name), so they are neither preempted nor marked as spanning a load.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import os
@@ -379,8 +380,27 @@ class VLLMEngine:
             if request_id in self._live:
                 self._loads.setdefault(request_id, []).append((counts, version))
 
+    RPC_TIMEOUT_MARGIN_S = 30.0  # beyond an RPC's timeout, before `_rpc` stops waiting
+
     def _rpc(self, method: str, *args, timeout: float | None = None):
-        return self._run(self.engine.collective_rpc(method, timeout=timeout, args=args))
+        """`method` on every worker of the engine; with `timeout` (s), the wait is bounded
+        here: vLLM's uniproc executor (one worker, run inside the engine core) ignores
+        collective_rpc's own timeout and waits for the call to end, however long. The
+        multiprocess executor's timeout, which names the worker, comes first: ours waits
+        `RPC_TIMEOUT_MARGIN_S` longer."""
+        margin_s = self.RPC_TIMEOUT_MARGIN_S
+        call = self.engine.collective_rpc(method, timeout=timeout, args=args)
+        if timeout is None:
+            return self._run(call)
+        future = asyncio.run_coroutine_threadsafe(call, self._loop)
+        try:
+            return future.result(timeout + margin_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"vLLM engine ({self.num_sync_ranks} worker(s) serving {self.model_path}): no "
+                f"answer to {method!r} within {timeout + margin_s:.0f} s"
+            ) from None
 
     def _sync_rpc(self, method: str, *args) -> list:
         # vLLM re-raises a worker's error as a bare Exception carrying its message (which
