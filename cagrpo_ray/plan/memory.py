@@ -115,11 +115,14 @@ def lora_parameters(shape: ModelShape, lora: LoraConfig) -> int:
 
 
 def lora_activation_bytes(shape: ModelShape, lora: LoraConfig, s: int) -> int:
-    """Bytes per token that one decoder layer's adapters save for backward: each target's
-    float32 A x (4r), and, on a bfloat16 base, the float32 copy of its input that PEFT makes
-    for A (4 x in; on a float32 base the frozen base layer keeps no input, the adapter does)."""
+    """What LoRA changes in the bytes per token one decoder layer saves for backward
+    (`layer_activation_bytes`): each target's float32 A x (4r) and, on a bfloat16 base, the
+    float32 copy of its input that PEFT makes for A (4 x in; on a float32 base the input the
+    full model keeps serves); less the two RMSNorms' normalized x*r (2sH), kept only for their
+    weights' gradients, which the frozen base has not."""
     targets = lora_targets(shape, lora).values()
-    return sum(4 * lora.rank + (4 * i if s < 4 else 0) for i, _ in targets)
+    adapters = sum(4 * lora.rank + (4 * i if s < 4 else 0) for i, _ in targets)
+    return adapters - 2 * s * shape.hidden_size
 
 
 def lora_slots(config: Config) -> int:
