@@ -255,8 +255,13 @@ def test_resume_with_lora_repeats_the_step_from_a_checkpoint_of_the_adapter_only
     (states,) = (tmp_path / "ckpt" / "learner").glob("*model_states.pt")
     module = torch.load(states, weights_only=False)["module"]
     parameters = dict(learner.engine.module.named_parameters())
-    saved = [name for name in module if name in parameters]  # the rest: buffers (rotary)
+    buffers = dict(learner.engine.module.named_buffers())
+    saved = [name for name in module if name in parameters]
     assert saved and all(parameters[name].requires_grad for name in saved)  # no frozen base
+    # Besides the adapter: the rotary buffers, and the tied head's second name (DeepSpeed
+    # drops frozen parameters by `named_parameters()`, which lists a tied weight once).
+    others = {name for name in module if name not in parameters and name not in buffers}
+    assert others <= {"policy.base_model.model.lm_head.weight"}
 
     resumed = lora_learner(policy_path, one_rank, loss, **settings)  # a fresh adapter
     assert resumed.load_checkpoint(tmp_path / "ckpt") == {"data_cursor": 2}
