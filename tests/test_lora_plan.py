@@ -105,14 +105,14 @@ def test_the_frozen_base_keeps_its_weights_and_the_adapter_trains_in_float32(zer
 
 
 @unit
-def test_a_lora_generator_holds_one_adapter_slot_per_version_in_flight():
+def test_a_lora_generator_holds_an_adapter_slot_per_version_in_flight_and_one_more():
     config = load_config(LORA_7B, ["run.max_staleness=2"])
     shape = model_shape(config.model.path)
     lora = components(generator_memory(config, shape, 80 * 2**30))
     full = components(
         generator_memory(load_config(LORA_7B, ["model.lora.rank=0"]), shape, 80 * 2**30)
     )
-    slots = 3 * DTYPE_BYTES["bfloat16"] * lora_parameters(shape, config.model.lora)
+    slots = 4 * DTYPE_BYTES["bfloat16"] * lora_parameters(shape, config.model.lora)
     assert lora["lora_slots"] == slots and "lora_slots" not in full
     assert lora["kv_cache"] == full["kv_cache"] - slots
 

@@ -126,14 +126,16 @@ def lora_activation_bytes(shape: ModelShape, lora: LoraConfig, s: int) -> int:
 
 
 def lora_slots(config: Config) -> int:
-    """Adapters a generator keeps registered: one per policy version a request in flight may
-    have started with, run.max_staleness + 1."""
-    return config.run.max_staleness + 1
+    """Adapters a vLLM generator keeps registered (its `max_loras`): run.max_staleness + 2,
+    the versions a request in flight may have started with and the one being registered
+    (the generators' rule, `adapter_slots` in rollout/vllm_lora.py)."""
+    return config.run.max_staleness + 2
 
 
 def lora_slot_bytes(config: Config, shape: ModelShape) -> int:
     """vLLM's LoRA buffers on one TP rank: per slot and targeted layer, A [r, in] and B [out, r]
-    stacked in the model dtype (counted whole: an upper bound under tensor parallelism)."""
+    stacked in the model dtype (counted whole: an upper bound under tensor parallelism). vLLM
+    pads r up to its next allowed rank (1, 8, 16, 32, 64, ...); the recipes' ranks are such."""
     s = DTYPE_BYTES[config.model.dtype]
     return lora_slots(config) * s * lora_parameters(shape, config.model.lora)
 
@@ -393,7 +395,7 @@ def _lora_slots_component(config: Config, shape: ModelShape) -> list[Component]:
     if not config.model.lora.enabled:
         return []
     slots = lora_slots(config)
-    note = f"{slots} LoRA slot(s) (run.max_staleness + 1) of rank {config.model.lora.rank}"
+    note = f"{slots} LoRA slots (run.max_staleness + 2) of rank {config.model.lora.rank}"
     return [Component("lora_slots", lora_slot_bytes(config, shape), "resident", note)]
 
 
