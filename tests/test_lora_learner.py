@@ -239,10 +239,11 @@ def test_save_adapter_without_lora_says_what_is_missing(policy_path, one_rank, t
 
 @pytest.mark.integration
 @pytest.mark.beside
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_resume_with_lora_repeats_the_step_from_a_checkpoint_of_the_adapter_only(
-    policy_path, one_rank, tmp_path
+    policy_path, one_rank, tmp_path, zero_stage
 ):
-    settings = dict(zero_stage=2, lr=1e-2, warmup_steps=3)
+    settings = dict(zero_stage=zero_stage, lr=1e-2, warmup_steps=3)
     loss = LossSpec("cagrpo", kl_coef=0.05)
     learner = lora_learner(policy_path, one_rank, loss, **settings)
     for seed in (1, 2):  # k = 2 steps: Adam's moments and the warm-up under way
@@ -254,8 +255,13 @@ def test_resume_with_lora_repeats_the_step_from_a_checkpoint_of_the_adapter_only
     (states,) = (tmp_path / "ckpt" / "learner").glob("*model_states.pt")
     module = torch.load(states, weights_only=False)["module"]
     parameters = dict(learner.engine.module.named_parameters())
-    saved = [name for name in module if name in parameters]  # the rest: buffers (rotary)
+    buffers = dict(learner.engine.module.named_buffers())
+    saved = [name for name in module if name in parameters]
     assert saved and all(parameters[name].requires_grad for name in saved)  # no frozen base
+    # Besides the adapter: the rotary buffers, and the tied head's second name (DeepSpeed
+    # drops frozen parameters by `named_parameters()`, which lists a tied weight once).
+    others = {name for name in module if name not in parameters and name not in buffers}
+    assert others <= {"policy.base_model.model.lm_head.weight"}
 
     resumed = lora_learner(policy_path, one_rank, loss, **settings)  # a fresh adapter
     assert resumed.load_checkpoint(tmp_path / "ckpt") == {"data_cursor": 2}

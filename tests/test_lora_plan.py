@@ -1,12 +1,27 @@
 """The planner under LoRA (`plan/memory.py`): the adapter's parameter count is PEFT's, the
-frozen base keeps only its weights, the generators add their adapter slots, and the 7B LoRA
-recipe fits on fewer GPUs than the full-parameter one."""
+frozen base keeps only its weights, the generators add their adapter slots, the 7B LoRA
+recipe fits on fewer GPUs than the full-parameter one, and the learner's estimate against its
+measured peak on the CPU.
+
+Measured on 2026-12-05 as test_plan_memory.py measures (MiB; one float32 rank, ZeRO-0, rank-8
+adapter on every projection, 8 rows per micro-batch, every response to the last column):
+
+    model        checkpointing  width  measured  estimated  kept for backward (estimated)
+    10M (h320)   no             128      228.0      241.8    183.0 (193.3)
+    10M (h320)   yes            128       62.7       91.8     10.4 (11.9)
+    50M (h640)   yes            128      257.0      311.2     25.4 (28.1)
+
+The checkpointed estimates are high because they count one recomputed layer's whole working
+set, which the frozen base's backward (no weight gradients) does not reach; under full
+fine-tuning the optimizer step's transients are the larger phase and hide it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cagrpo_ray.config import load_config
@@ -14,14 +29,18 @@ from cagrpo_ray.config.sections import LoraConfig
 from cagrpo_ray.plan import ClusterShape, plan
 from cagrpo_ray.plan.memory import (
     DTYPE_BYTES,
+    activation_bytes,
     generator_memory,
+    layer_activation_bytes,
     learner_memory,
+    lora_activation_bytes,
     lora_parameters,
 )
 from cagrpo_ray.plan.shapes import model_shape
 from cagrpo_ray.policies.lora import LoraSpec
+from cagrpo_ray.policies.model import random_policy
 
-pytestmark = pytest.mark.unit
+unit = pytest.mark.unit
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 LORA_7B = str(CONFIGS / "gpu-7b-lora.yaml")
@@ -32,6 +51,7 @@ def components(estimate) -> dict[str, int]:
     return {c.name: c.bytes for c in estimate.components}
 
 
+@unit
 @pytest.mark.parametrize("targets", [None, ["q_proj", "v_proj"], ["down_proj", "k_proj"]])
 def test_the_adapter_parameter_count_is_peft_s(tmp_path, targets):
     """The planner's T against the trainable parameters PEFT creates on a Qwen2 folder with
@@ -53,12 +73,14 @@ def test_the_adapter_parameter_count_is_peft_s(tmp_path, targets):
     assert lora_parameters(model_shape(str(tmp_path / "policy")), lora) == trainable
 
 
+@unit
 def test_an_unknown_target_names_the_key_and_the_known_layers():
     shape = model_shape("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B")
     with pytest.raises(ValueError, match="model.lora.target_modules.*qkv.*allowed: q_proj"):
         lora_parameters(shape, LoraConfig(rank=8, target_modules=["qkv"]))
 
 
+@unit
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_the_frozen_base_keeps_its_weights_and_the_adapter_trains_in_float32(zero_stage):
     overrides = [f"learner.zero_stage={zero_stage}", "algorithm.kl_coef=0.01"]
@@ -82,18 +104,20 @@ def test_the_frozen_base_keeps_its_weights_and_the_adapter_trains_in_float32(zer
     assert lora["activations"] > full["activations"]  # the adapters' float32 inputs
 
 
-def test_a_lora_generator_holds_one_adapter_slot_per_version_in_flight():
+@unit
+def test_a_lora_generator_holds_an_adapter_slot_per_version_in_flight_and_one_more():
     config = load_config(LORA_7B, ["run.max_staleness=2"])
     shape = model_shape(config.model.path)
     lora = components(generator_memory(config, shape, 80 * 2**30))
     full = components(
         generator_memory(load_config(LORA_7B, ["model.lora.rank=0"]), shape, 80 * 2**30)
     )
-    slots = 3 * DTYPE_BYTES["bfloat16"] * lora_parameters(shape, config.model.lora)
+    slots = 4 * DTYPE_BYTES["bfloat16"] * lora_parameters(shape, config.model.lora)
     assert lora["lora_slots"] == slots and "lora_slots" not in full
     assert lora["kv_cache"] == full["kv_cache"] - slots
 
 
+@unit
 def test_the_7b_lora_recipe_fits_on_fewer_gpus_than_the_full_parameter_one():
     lora_config = load_config(LORA_7B)
     cluster = ClusterShape.from_config(lora_config)
@@ -114,6 +138,7 @@ def test_the_7b_lora_recipe_fits_on_fewer_gpus_than_the_full_parameter_one():
         assert "learner rank" in full_here.problems[0], stage
 
 
+@unit
 def test_the_cpu_lora_recipe_differs_from_the_full_one_by_the_adapter_and_the_lr():
     lora = load_config(str(CONFIGS / "cpu-smollm2-lora.yaml"))
     full = load_config(str(CONFIGS / "cpu-smollm2.yaml"))
@@ -124,3 +149,89 @@ def test_the_cpu_lora_recipe_differs_from_the_full_one_by_the_adapter_and_the_lr
     for tree in (same, other):
         tree["model"].pop("lora"), tree["algorithm"].pop("lr"), tree["run"].pop("name")
     assert same == other
+
+
+# ----------------------------------------------------------------------------- measured
+
+
+def measure_lora_learner(policy: str, checkpointing: bool, width: int) -> dict:
+    """test_plan_memory.measure_learner with a rank-8 adapter: the learner's bytes before a
+    steady-state step plus the step's peak above that, and what forward keeps for backward."""
+    from test_plan_memory import free_port, full_width_batch, live_tensor_bytes, profiled_step
+
+    from cagrpo_ray.algo import LossSpec
+    from cagrpo_ray.learner.learner import Learner
+    from cagrpo_ray.learner.settings import LearnerSettings
+
+    torch.set_num_threads(1)
+    before = live_tensor_bytes()
+    settings = LearnerSettings(
+        policy,
+        zero_stage=0,
+        micro_batch_size=8,
+        gradient_checkpointing=checkpointing,
+        lora=LoraSpec.from_config(LoraConfig(rank=8)),
+    )
+    learner = Learner(settings, LossSpec("cagrpo"), master_port=free_port())
+    learner.train_step(full_width_batch(width, seed=0))
+    batch = full_width_batch(width, seed=1)
+    resident = live_tensor_bytes() - before
+    peak, at_backward = profiled_step(learner, batch)
+    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    return dict(measured=resident + peak, saved=at_backward, width=used)
+
+
+def _measure_and_send(connection, *args) -> None:
+    try:
+        connection.send(("ok", measure_lora_learner(*args)))
+    except BaseException as exc:  # reported by the parent, which fails the test
+        connection.send(("error", f"{type(exc).__name__}: {exc}"))
+    connection.close()
+
+
+@pytest.mark.integration
+@pytest.mark.beside
+@pytest.mark.parametrize(("size", "checkpointing"), [("10M", False), ("10M", True), ("50M", True)])
+def test_the_lora_estimate_is_safe_and_near_the_measured_peak(tmp_path, size, checkpointing):
+    """In a fresh spawned process (its own process group, only its own tensors counted): the
+    estimate is at least the measured peak and at most 1.5 x it, and what forward keeps for
+    backward (LoRA's change included) within 15%."""
+    import multiprocessing
+
+    from test_plan_memory import SIZES
+
+    shape_kwargs, width = SIZES[size]
+    policy = str(random_policy(tmp_path / size, 0, **shape_kwargs))
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_measure_and_send, args=(theirs, policy, checkpointing, width))
+    child.start()
+    theirs.close()
+    assert ours.poll(600), "the measurement took over 600 s"
+    status, measured = ours.recv()
+    child.join()
+    assert status == "ok", measured
+
+    config = load_config(
+        None,
+        [
+            f"model.path={policy}",
+            "model.lora.rank=8",
+            "learner.zero_stage=0",
+            "learner.num_learners=1",
+            "learner.micro_batch_size=8",
+            f"learner.gradient_checkpointing={str(checkpointing).lower()}",
+            "rollout.prompts_per_step=2",
+            "rollout.group_size=4",
+            f"rollout.max_model_len={measured['width']}",
+        ],
+    )
+    shape = model_shape(policy)
+    estimate = learner_memory(config, shape, device="cpu")
+    assert measured["measured"] <= estimate.total <= 1.5 * measured["measured"]
+    s, tokens = 4, 8 * measured["width"]
+    layer = lora_activation_bytes(shape, config.model.lora, s)
+    kept = activation_bytes(shape, s, 8, measured["width"], checkpointing, layer)
+    if checkpointing:  # the one layer recomputed in backward is not kept from forward
+        kept -= tokens * (layer_activation_bytes(shape, s) + layer)
+    assert kept == pytest.approx(measured["saved"], rel=0.15)

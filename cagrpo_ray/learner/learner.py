@@ -487,7 +487,9 @@ class Learner:
     def save_checkpoint(self, ckpt_dir: str | Path, client_state: dict | None = None) -> None:
         """Save model, optimizer and lr-scheduler state (DeepSpeed layout), the step, the
         caller's `client_state`, and this rank's RNG states; under LoRA the adapter and its
-        optimizer state only (the frozen base is the policy at model_path). Every rank must
+        optimizer state only (the frozen base is the policy at model_path), except that with
+        tied embeddings DeepSpeed 0.19.8 keeps the head under its second name (it drops frozen
+        parameters by `named_parameters()`, which lists a tied weight once). Every rank must
         call it."""
         ckpt = Path(ckpt_dir)
         ckpt.mkdir(parents=True, exist_ok=True)

@@ -115,22 +115,27 @@ def lora_parameters(shape: ModelShape, lora: LoraConfig) -> int:
 
 
 def lora_activation_bytes(shape: ModelShape, lora: LoraConfig, s: int) -> int:
-    """Bytes per token that one decoder layer's adapters save for backward: each target's
-    float32 A x (4r), and, on a bfloat16 base, the float32 copy of its input that PEFT makes
-    for A (4 x in; on a float32 base the frozen base layer keeps no input, the adapter does)."""
+    """What LoRA changes in the bytes per token one decoder layer saves for backward
+    (`layer_activation_bytes`): each target's float32 A x (4r) and, on a bfloat16 base, the
+    float32 copy of its input that PEFT makes for A (4 x in; on a float32 base the input the
+    full model keeps serves); less the two RMSNorms' normalized x*r (2sH), kept only for their
+    weights' gradients, which the frozen base has not."""
     targets = lora_targets(shape, lora).values()
-    return sum(4 * lora.rank + (4 * i if s < 4 else 0) for i, _ in targets)
+    adapters = sum(4 * lora.rank + (4 * i if s < 4 else 0) for i, _ in targets)
+    return adapters - 2 * s * shape.hidden_size
 
 
 def lora_slots(config: Config) -> int:
-    """Adapters a generator keeps registered: one per policy version a request in flight may
-    have started with, run.max_staleness + 1."""
-    return config.run.max_staleness + 1
+    """Adapters a vLLM generator keeps registered (its `max_loras`): run.max_staleness + 2,
+    the versions a request in flight may have started with and the one being registered
+    (the generators' rule, `adapter_slots` in rollout/vllm_lora.py)."""
+    return config.run.max_staleness + 2
 
 
 def lora_slot_bytes(config: Config, shape: ModelShape) -> int:
     """vLLM's LoRA buffers on one TP rank: per slot and targeted layer, A [r, in] and B [out, r]
-    stacked in the model dtype (counted whole: an upper bound under tensor parallelism)."""
+    stacked in the model dtype (counted whole: an upper bound under tensor parallelism). vLLM
+    pads r up to its next allowed rank (1, 8, 16, 32, 64, ...); the recipes' ranks are such."""
     s = DTYPE_BYTES[config.model.dtype]
     return lora_slots(config) * s * lora_parameters(shape, config.model.lora)
 
@@ -390,7 +395,7 @@ def _lora_slots_component(config: Config, shape: ModelShape) -> list[Component]:
     if not config.model.lora.enabled:
         return []
     slots = lora_slots(config)
-    note = f"{slots} LoRA slot(s) (run.max_staleness + 1) of rank {config.model.lora.rank}"
+    note = f"{slots} LoRA slots (run.max_staleness + 2) of rank {config.model.lora.rank}"
     return [Component("lora_slots", lora_slot_bytes(config, shape), "resident", note)]
 
 
