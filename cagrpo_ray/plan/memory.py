@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from cagrpo_ray.config import Config
 from cagrpo_ray.config.sections import LoraConfig
 from cagrpo_ray.plan.shapes import ModelShape
+from cagrpo_ray.rollout.vllm_lora import adapter_slots, vllm_max_lora_rank
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -126,18 +127,21 @@ def lora_activation_bytes(shape: ModelShape, lora: LoraConfig, s: int) -> int:
 
 
 def lora_slots(config: Config) -> int:
-    """Adapters a vLLM generator keeps registered (its `max_loras`): run.max_staleness + 2,
-    the versions a request in flight may have started with and the one being registered
-    (the generators' rule, `adapter_slots` in rollout/vllm_lora.py)."""
-    return config.run.max_staleness + 2
+    """Adapters a vLLM generator keeps registered (its `max_loras`): the generators' own rule,
+    `adapter_slots` (the versions a request in flight may have started with, and the one being
+    registered)."""
+    return adapter_slots(config.run.max_staleness)
 
 
 def lora_slot_bytes(config: Config, shape: ModelShape) -> int:
-    """vLLM's LoRA buffers on one TP rank: per slot and targeted layer, A [r, in] and B [out, r]
-    stacked in the model dtype (counted whole: an upper bound under tensor parallelism). vLLM
-    pads r up to its next allowed rank (1, 8, 16, 32, 64, ...); the recipes' ranks are such."""
+    """vLLM's LoRA buffers on one TP rank: per slot and targeted layer, A [r', in] and B
+    [out, r'] stacked in the model dtype, r' the rank vLLM pads r up to (`vllm_max_lora_rank`),
+    counted whole: an upper bound under tensor parallelism."""
     s = DTYPE_BYTES[config.model.dtype]
-    return lora_slots(config) * s * lora_parameters(shape, config.model.lora)
+    padded = config.model.lora.model_copy(
+        update={"rank": vllm_max_lora_rank(config.model.lora.rank)}
+    )
+    return lora_slots(config) * s * lora_parameters(shape, padded)
 
 
 # ----------------------------------------------------------------------------- activations
