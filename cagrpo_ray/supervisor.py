@@ -30,6 +30,8 @@ import time
 
 import psutil  # a dependency of Ray and vLLM
 
+from cagrpo_ray.processes import terminate_then_kill
+
 DRIVER_ENV = "CAGRPO_RAY_DRIVER"  # set in the driver: it runs the run instead of starting one
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
@@ -72,19 +74,12 @@ def end_leftovers(settle_s: float, grace_s: float) -> list[str]:
     for process in left:
         try:
             named.append(f"{process.pid} {process.name()}")
-            process.terminate()
         except psutil.NoSuchProcess:
             continue
     if named:
         print(f"cagrpo_ray: ending what the run left running: {', '.join(named)}",
               file=sys.stderr, flush=True)  # fmt: skip
-    _, alive = psutil.wait_procs(left, timeout=grace_s)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(alive, timeout=grace_s)
+    terminate_then_kill(left, grace_s)
     _reap()
     return named
 

@@ -27,8 +27,9 @@ ROOT_MAY_IMPORT = {"cagrpo_ray.api"}
 LAYERS: list[tuple[str, set[str]]] = [
     # the paper in code: pure torch, imports nothing of the package
     ("algorithm", {"algo"}),
-    # records and utilities that every role shares (SamplingConfig, Completion, logging)
-    ("foundation", {"types", "console", "progress"}),
+    # records and utilities that every role shares (SamplingConfig, Completion, logging,
+    # ending processes)
+    ("foundation", {"types", "console", "progress", "processes"}),
     # parts a role is built from, knowing no role: config, prompts, verifiers, environments,
     # the checkpoint directories
     (

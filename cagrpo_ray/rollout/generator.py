@@ -35,6 +35,7 @@ import ray
 
 from cagrpo_ray.console import redirect_output
 from cagrpo_ray.env.episode import SINGLE_TURN, ToolEnvironment, run_episodes, text_encoder
+from cagrpo_ray.processes import terminate_then_kill
 from cagrpo_ray.types import Completion, SamplingConfig
 
 from .engines import make_engine
@@ -170,19 +171,7 @@ def end_children(grace_s: float = 5.0) -> None:
     raylet ends with `RAY_process_group_cleanup_enabled`, covers that case.)"""
     import psutil  # a vLLM dependency
 
-    children = psutil.Process().children(recursive=True)
-    for child in children:
-        try:
-            child.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(children, timeout=grace_s)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace_s)
+    terminate_then_kill(psutil.Process().children(recursive=True), grace_s)
 
 
 GeneratorActor = ray.remote(
