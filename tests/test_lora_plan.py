@@ -21,7 +21,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from cagrpo_ray.config import load_config
@@ -154,41 +153,6 @@ def test_the_cpu_lora_recipe_differs_from_the_full_one_by_the_adapter_and_the_lr
 # ----------------------------------------------------------------------------- measured
 
 
-def measure_lora_learner(policy: str, checkpointing: bool, width: int) -> dict:
-    """test_plan_memory.measure_learner with a rank-8 adapter: the learner's bytes before a
-    steady-state step plus the step's peak above that, and what forward keeps for backward."""
-    from test_plan_memory import free_port, full_width_batch, live_tensor_bytes, profiled_step
-
-    from cagrpo_ray.algo import LossSpec
-    from cagrpo_ray.learner.learner import Learner
-    from cagrpo_ray.learner.settings import LearnerSettings
-
-    torch.set_num_threads(1)
-    before = live_tensor_bytes()
-    settings = LearnerSettings(
-        policy,
-        zero_stage=0,
-        micro_batch_size=8,
-        gradient_checkpointing=checkpointing,
-        lora=LoraSpec.from_config(LoraConfig(rank=8)),
-    )
-    learner = Learner(settings, LossSpec("cagrpo"), master_port=free_port())
-    learner.train_step(full_width_batch(width, seed=0))
-    batch = full_width_batch(width, seed=1)
-    resident = live_tensor_bytes() - before
-    peak, at_backward = profiled_step(learner, batch)
-    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
-    return dict(measured=resident + peak, saved=at_backward, width=used)
-
-
-def _measure_and_send(connection, *args) -> None:
-    try:
-        connection.send(("ok", measure_lora_learner(*args)))
-    except BaseException as exc:  # reported by the parent, which fails the test
-        connection.send(("error", f"{type(exc).__name__}: {exc}"))
-    connection.close()
-
-
 @pytest.mark.integration
 @pytest.mark.beside
 @pytest.mark.parametrize(("size", "checkpointing"), [("10M", False), ("10M", True), ("50M", True)])
@@ -198,13 +162,15 @@ def test_the_lora_estimate_is_safe_and_near_the_measured_peak(tmp_path, size, ch
     backward (LoRA's change included) within 15%."""
     import multiprocessing
 
-    from test_plan_memory import SIZES
+    from test_plan_memory import LOGITS_CHUNK_MIB, SIZES, _measure_and_send
 
     shape_kwargs, width = SIZES[size]
     policy = str(random_policy(tmp_path / size, 0, **shape_kwargs))
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    child = context.Process(target=_measure_and_send, args=(theirs, policy, checkpointing, width))
+    # test_plan_memory's measurement with a rank-8 adapter: ZeRO-0, float32, 8 rows
+    case = (policy, 0, checkpointing, "float32", width, LOGITS_CHUNK_MIB, 8)
+    child = context.Process(target=_measure_and_send, args=(theirs, *case))
     child.start()
     theirs.close()
     assert ours.poll(600), "the measurement took over 600 s"

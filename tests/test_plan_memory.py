@@ -53,7 +53,7 @@ from test_learner import random_batch
 from torch.profiler import ProfilerActivity, profile
 
 from cagrpo_ray.algo import LossSpec
-from cagrpo_ray.config import load_config
+from cagrpo_ray.config import LoraConfig, load_config
 from cagrpo_ray.learner.learner import Learner
 from cagrpo_ray.learner.settings import LearnerSettings
 from cagrpo_ray.plan.memory import (
@@ -63,6 +63,7 @@ from cagrpo_ray.plan.memory import (
     learner_memory,
 )
 from cagrpo_ray.plan.shapes import model_shape
+from cagrpo_ray.policies.lora import LoraSpec
 from cagrpo_ray.policies.model import random_policy
 
 pytestmark = pytest.mark.integration
@@ -140,12 +141,20 @@ def full_width_batch(width: int, seed: int) -> dict:
 
 
 def measure_learner(
-    policy: str, stage: int, checkpointing: bool, dtype: str, width: int, chunk_mib: float
+    policy: str,
+    stage: int,
+    checkpointing: bool,
+    dtype: str,
+    width: int,
+    chunk_mib: float,
+    lora_rank: int = 0,
 ):
-    """Build a one-rank Learner, train a warm-up step, then measure a second step: the bytes
-    the learner holds before it plus the step's peak above that, and what the forward pass
-    keeps for backward. Runs in a fresh process (`measure`), so that no earlier learner's
-    tensors (DeepSpeed keeps references to its last engine) are freed or counted here."""
+    """Build a one-rank Learner (with a LoRA adapter of `lora_rank` when above 0; alpha,
+    dropout and targets `LoraConfig`'s defaults), train a warm-up step, then measure a second
+    step: the bytes the learner holds before it plus the step's peak above that, and what the
+    forward pass keeps for backward. Runs in a fresh process (`measure`), so that no earlier
+    learner's tensors (DeepSpeed keeps references to its last engine) are freed or counted
+    here."""
     torch.set_num_threads(1)
     before = live_tensor_bytes()
     settings = LearnerSettings(
@@ -155,6 +164,7 @@ def measure_learner(
         gradient_checkpointing=checkpointing,
         dtype=dtype,
         logits_chunk_mib=chunk_mib,
+        lora=LoraSpec.from_config(LoraConfig(rank=lora_rank)),
     )
     learner = Learner(settings, LossSpec("cagrpo"), master_port=free_port())
     learner.train_step(full_width_batch(width, seed=0))
