@@ -9,12 +9,14 @@ policy does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -137,6 +139,109 @@ def test_an_nccl_communicator_that_fails_to_form_is_a_weight_sync_error(monkeypa
     monkeypatch.setattr(sync_group, "PyNcclTransport", failing)
     with pytest.raises(WeightSyncError, match=r"learner \(rank 0\) could not form .* NCCL"):
         _join_alone("nccl", "GPU-a", torch.device("cuda", 0))
+
+
+def _member_that_joins_then_exits(address: SyncAddress, rank: int) -> None:
+    """A generator worker that comes to the rendezvous (its proof, its device, its join key)
+    and then ends, as one that dies right after joining: it never forms the transport."""
+    store = sync_group.open_store(address.host, address.port, address.world_size,
+                                  is_master=False, timeout_s=address.timeout_s)  # fmt: skip
+    sync_group.present_proof(store, rank, address.secret, address.timeout_s, "test")
+    store.set(f"device/{rank}", "cpu")
+    store.set(f"joined/{rank}", "1")
+
+
+@pytest.mark.unit
+def test_a_worker_that_dies_after_writing_its_join_key_is_named_on_time():
+    """gloo on loopback: the learner and worker rank 2 form the group; rank 1 wrote its join
+    key and exited. Both are told, within the timeout and the watch, which rank is absent."""
+    sender = WeightSender(world_size=3, timeout_s=SHORT_TIMEOUT_S)
+    start = time.monotonic()
+    _in_thread(_member_that_joins_then_exits, sender.address, 1).result(timeout=30)
+    worker = _in_thread(WeightReceiver, sender.address, 2)
+    absent = "generator worker rank 1 wrote its join key but never began forming it"
+    with pytest.raises(WeightSyncError, match=absent) as error:
+        sender.wait_joined()
+    assert "gloo group" in str(error.value)
+    with pytest.raises(WeightSyncError, match=absent):
+        worker.result(timeout=30)
+    bound_s = SHORT_TIMEOUT_S + sync_group.ABSENCE_WATCH_S
+    assert bound_s <= time.monotonic() - start < bound_s + 10
+    sender.close()
+
+
+class _HangingCommunicator:
+    """vLLM's PyNccl stand-in: rank `dies` fails after `after_s` (as a process that dies inside
+    `ncclCommInitRank`: it stops counting), every other rank blocks as `ncclCommInitRank` does
+    until `release` is set. `dies=None`: every rank blocks."""
+
+    def __init__(self, dies: int | None, after_s: float = 0.2):
+        self.dies, self.after_s = dies, after_s
+        self.release = threading.Event()
+
+    def __call__(self, store, rank, world_size, device):
+        if rank == self.dies:
+            time.sleep(self.after_s)
+            raise RuntimeError("NCCL error: remote process exited or there was a network error")
+        self.release.wait()
+        raise RuntimeError("released at the end of the test")
+
+
+def _join_nccl_pair(monkeypatch, communicator: _HangingCommunicator):
+    """Learner rank 0 and worker rank 1 join an NCCL group (on CPU devices with distinct
+    device ids) whose communicator is `communicator`; their futures."""
+    monkeypatch.setattr(sync_group, "PyNcclTransport", communicator)
+    secret = sync_group.new_secret()
+    master = sync_group.open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=SHORT_TIMEOUT_S)
+    client = sync_group.open_store("127.0.0.1", master.port, 2, is_master=False,
+                                   timeout_s=SHORT_TIMEOUT_S)  # fmt: skip
+    join = functools.partial(sync_group.join_group, world_size=2, backend="nccl",
+                             timeout_s=SHORT_TIMEOUT_S, host="127.0.0.1",
+                             device=torch.device("cpu"), secret=secret)  # fmt: skip
+    return [
+        _in_thread(functools.partial(join, store, rank, device_id=f"GPU-{rank}"))
+        for rank, store in ((0, master), (1, client))
+    ]
+
+
+@pytest.mark.unit
+def test_an_nccl_setup_that_hangs_names_the_rank_that_died_in_it(monkeypatch):
+    communicator = _HangingCommunicator(dies=1)
+    learner, worker = _join_nccl_pair(monkeypatch, communicator)
+    start = time.monotonic()
+    try:
+        with pytest.raises(WeightSyncError) as error:
+            learner.result(timeout=60)
+        elapsed = time.monotonic() - start
+        assert re.search(
+            r"learner \(rank 0\): the weight-sync NCCL communicator on cpu \(world size 2\) did "
+            r"not form within 2 s: generator worker rank 1 stopped while forming it",
+            str(error.value),
+        ), error.value
+        bound_s = SHORT_TIMEOUT_S + sync_group.ABSENCE_WATCH_S
+        assert bound_s <= elapsed < bound_s + 10
+        # The rank that failed says why, and does not blame the learner, which was still there.
+        with pytest.raises(WeightSyncError) as failed:
+            worker.result(timeout=30)
+        assert str(failed.value).startswith(
+            "generator worker rank 1 could not form the weight-sync NCCL communicator on cpu "
+            "(world size 2): NCCL error"
+        ), failed.value
+    finally:
+        communicator.release.set()
+
+
+@pytest.mark.unit
+def test_an_nccl_setup_that_hangs_with_every_rank_in_it_says_so(monkeypatch):
+    communicator = _HangingCommunicator(dies=None)
+    futures = _join_nccl_pair(monkeypatch, communicator)
+    try:
+        for joined in futures:
+            with pytest.raises(WeightSyncError, match="every rank is still forming it, so the "
+                               "setup itself hung"):  # fmt: skip
+                joined.result(timeout=60)
+    finally:
+        communicator.release.set()
 
 
 class _Event:

@@ -10,6 +10,13 @@ who is missing. So every rendezvous goes through the store first: each rank writ
 (`joined/<rank>`, `v<version>/ready/<rank>`) and waits for the others' keys, and a timeout
 names the ranks whose keys are missing. Only then does the data collective start.
 
+Forming the transport after the `joined/` rendezvous is a wait of its own: it returns only once
+every rank has come to it, and NCCL's (`ncclCommInitRank` and a warm-up all-reduce) has no
+timeout. A rank that dies after writing its join key would leave the others there for good.
+So the transport is formed in a thread of its own, bounded by the group's timeout, while each
+rank counts up its `forming/<rank>` key; when the bound runs out, the ranks whose count did not
+move are named (`form_transport`).
+
 Only the run's own ranks are admitted (docs/architecture.md, "Who may join"): the learner's
 store listens only on the address the members use, and every member proves that it holds the
 group's secret (a random token that the learner made and the run handed to the members
@@ -24,7 +31,9 @@ import hashlib
 import hmac
 import secrets
 import socket
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -37,6 +46,11 @@ LEARNER_RANK = 0
 BACKENDS = ("gloo", "nccl")
 LOOPBACK = "127.0.0.1"
 ADMISSION_POLL_S = 0.05
+FORMING_BEAT_S = 0.25  # how often a rank forming the transport counts up its `forming/` key
+# After the bound runs out, how long a rank watches the others' counts before naming those
+# that did not move: several beats, so that a rank that is alive but slow is not named.
+ABSENCE_WATCH_S = 8 * FORMING_BEAT_S
+JOIN_WAITS = 4  # the learner's challenge, every rank's join key, admission, the transport
 
 
 class WeightSyncError(RuntimeError):
@@ -151,6 +165,14 @@ def absent_ranks(store, key: str, ranks: list[int], timeout_s: float) -> list[in
     after `timeout_s` (an empty list when all arrived)."""
     missing = missing_keys(store, [f"{key}/{r}" for r in ranks], timeout_s)
     return sorted(int(k.rsplit("/", 1)[1]) for k in missing)
+
+
+def join_bound_s(timeout_s: float) -> float:
+    """The longest `join_group` can take with the group's timeout `timeout_s` (s): each of its
+    `JOIN_WAITS` waits is bounded by it, and naming the ranks absent from the transport's
+    formation watches them for `ABSENCE_WATCH_S` more. A wait on someone else's join (a
+    Ray call, a future) that is longer than this is a backstop only."""
+    return JOIN_WAITS * timeout_s + ABSENCE_WATCH_S
 
 
 def publish_challenge(store, secret: str) -> str:
@@ -317,22 +339,122 @@ def join_group(
             "NCCL refuses two ranks of one communicator on one device. Layouts where a "
             "generator and a learner share a GPU are not supported; give each role its own GPUs"
         )
-    group_store = dist.PrefixStore("group/", store)
+    # On a connection of its own: a store client serves one request at a time, and the
+    # transport's rendezvous blocks in its reads while this thread counts up its `forming/` key.
+    group_store = dist.PrefixStore("group/", another_connection(store))
     if backend != "nccl":
-        return GlooTransport(group_store, rank, world_size, timeout_s, host)
+        return form_transport(
+            store, rank, world_size, timeout_s, f"the weight-sync gloo group on {host}",
+            lambda: GlooTransport(group_store, rank, world_size, timeout_s, host),
+        )  # fmt: skip
     # Not ProcessGroupNCCL: its watchdog, which ends the whole process on a peer's death under
     # TORCH_NCCL_ASYNC_ERROR_HANDLING 1 or 3, would put learner rank 0 at the mercy of every
     # generator worker (see `transport.py`). PyNccl has no watchdog; our waits bound each
     # broadcast, and an abort costs only this group.
-    try:
-        return PyNcclTransport(
-            SignedStore(group_store, secret, challenge), rank, world_size, device
-        )
-    except (RuntimeError, dist.DistError) as exc:
+    return form_transport(
+        store, rank, world_size, timeout_s, f"the weight-sync NCCL communicator on {device}",
+        lambda: PyNcclTransport(SignedStore(group_store, secret, challenge), rank, world_size,
+                                device),
+    )  # fmt: skip
+
+
+def form_transport(
+    store, rank: int, world_size: int, timeout_s: float, what: str, make: Callable[[], object]
+):
+    """Run `make()`, the construction of the group's transport (`what`, for messages), which
+    returns only once every rank has called it; raise a `WeightSyncError` naming the ranks
+    that did not come if it has not returned within `timeout_s` (or raised).
+
+    `make` runs in a daemon thread, while this thread counts up `forming/<rank>` in `store`
+    every `FORMING_BEAT_S`. When the bound runs out (or `make` fails), this rank keeps
+    counting and watches the others' counts for `ABSENCE_WATCH_S` (`absent_from_formation`):
+    a rank whose count is 0 wrote its join key but never began forming (it died or stalled
+    after joining); one whose count stopped died or failed while forming. If every count
+    moves, the setup itself hung with all ranks in it.
+
+    A construction that never returns cannot be stopped from outside (NCCL gives a
+    communicator to abort only once `ncclCommInitRank` returns), so its thread is left
+    behind, blocked, until the process ends; the caller builds a new group.
+    """
+    outcome: dict[str, object] = {}
+
+    def construct() -> None:
+        try:
+            outcome["transport"] = make()
+        except BaseException as exc:  # handed to the joining thread, raised there
+            outcome["error"] = exc
+
+    builder = threading.Thread(target=construct, name=f"form-sync-rank-{rank}", daemon=True)
+    store.add(f"forming/{rank}", 1)
+    builder.start()
+    deadline = time.monotonic() + timeout_s
+    while builder.is_alive() and time.monotonic() < deadline:
+        _one_beat(store, rank, builder)
+    if "transport" in outcome:
+        return outcome["transport"]
+    error = outcome.get("error")
+    if isinstance(error, Exception) and not isinstance(error, (RuntimeError, dist.DistError)):
+        raise error  # a fault in the caller's code, not a missing peer
+    absent = absent_from_formation(store, rank, world_size, builder)
+    if "transport" in outcome:  # formed while the others were watched: late, but whole
+        return outcome["transport"]
+    if error is None:
         raise WeightSyncError(
-            f"{rank_name(rank)} could not form the weight-sync NCCL communicator (world size "
-            f"{world_size}) on {device}: {exc}"
-        ) from exc
+            f"{rank_name(rank)}: {what} (world size {world_size}) did not form within "
+            f"{timeout_s:g} s: "
+            + (absent or "every rank is still forming it, so the setup itself hung")
+        )
+    raise WeightSyncError(
+        f"{rank_name(rank)} could not form {what} (world size {world_size})"
+        + (f", as {absent}" if absent else "")
+        + f": {error}"
+    ) from error
+
+
+def absent_from_formation(store, rank: int, world_size: int, builder: threading.Thread) -> str:
+    """After `rank`'s formation failed or ran out of time: which other ranks are absent from it,
+    in words ("" when none). This rank counts on for `ABSENCE_WATCH_S` (so that the others,
+    watching at about the same time, do not name it) and reads the others' `forming/` counts
+    halfway and at the end: a count of 0 never began; one that did not move in the second half
+    stopped (it died, or failed and stopped watching earlier than this rank)."""
+    others = [r for r in range(world_size) if r != rank]
+    if not others:
+        return ""
+    counts = []
+    for _ in range(2):
+        until = time.monotonic() + ABSENCE_WATCH_S / 2
+        while time.monotonic() < until:
+            _one_beat(store, rank, builder)
+        counts.append({r: store.add(f"forming/{r}", 0) for r in others})
+    halfway, end = counts
+    never = [r for r in others if end[r] == 0]
+    stopped = [r for r in others if 0 < end[r] == halfway[r]]
+    absent = []
+    if never:
+        absent.append(
+            f"{describe_ranks(never)} wrote its join key but never began forming it (it died "
+            "or stalled after joining)"
+        )
+    if stopped:
+        absent.append(f"{describe_ranks(stopped)} stopped while forming it (it died or failed)")
+    return "; ".join(absent)
+
+
+def _one_beat(store, rank: int, builder: threading.Thread) -> None:
+    """Wait one beat (less if the builder ends meanwhile), then count up `forming/<rank>`."""
+    if builder.is_alive():
+        builder.join(FORMING_BEAT_S)
+    else:
+        time.sleep(FORMING_BEAT_S)
+    store.add(f"forming/{rank}", 1)
+
+
+def another_connection(store):
+    """A second client of the `TCPStore` `store` (the same store for any other kind, an
+    in-memory one whose waits do not hold up other requests)."""
+    if not isinstance(store, dist.TCPStore):
+        return store
+    return dist.TCPStore(store.host, store.port, is_master=False, timeout=store.timeout)
 
 
 def local_device_id(device: torch.device) -> str:

@@ -30,6 +30,7 @@ from cagrpo_ray.sync.group import (
     abort,
     absent_ranks,
     describe_ranks,
+    join_bound_s,
     join_group,
     new_secret,
     open_store,
@@ -111,9 +112,9 @@ class WeightSender:
     def _group(self, what: str):
         if self._broken:
             raise WeightSyncError(f"{what}: the group is unusable after: {self._broken}")
-        # join_group bounds its rendezvous by timeout_s, and gloo its connection; NCCL's
-        # communicator init has no timeout, hence a bound here too.
-        limit_s = 2 * self.timeout_s + 60
+        # join_group bounds each of its waits, the transport's formation included: this
+        # bound is a backstop only.
+        limit_s = join_bound_s(self.timeout_s) + 60
         try:
             return self._group_future.result(timeout=limit_s)
         except WeightSyncError as exc:
@@ -121,9 +122,8 @@ class WeightSender:
         except TimeoutError as exc:
             self._broken = "the group did not form"
             raise WeightSyncError(
-                f"{what}: every rank joined, but the {self.backend} group did not form within "
-                f"{limit_s:g} s (a generator worker died or stalled after it joined); build a "
-                "new group"
+                f"{what}: joining the {self.backend} group did not end within {limit_s:g} s, "
+                "past the bound of each of its waits; build a new group"
             ) from exc
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncStats:
