@@ -109,6 +109,7 @@ def engine_options(config, replica: int) -> dict:
 
             options["lora_slots"] = adapter_slots(config.run.max_staleness)
     if r.engine == "vllm":
+        options["replica"] = replica  # named in the engine's errors
         options["tensor_parallel_size"] = r.tensor_parallel_size
         if r.weight_update == "in_flight":
             options["in_flight_updates"] = True

