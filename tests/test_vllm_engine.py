@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import inspect
 import itertools
 import textwrap
@@ -169,3 +170,18 @@ def test_only_the_bounded_helpers_wait_on_the_engine_without_a_bound():
     source = inspect.getsource(vllm_engine)
     public = [m for m in vars(WeightSyncExtension) if not m.startswith("_")]
     assert all(f'"{m}"' in source for m in public), public
+
+
+def test_a_run_s_engine_options_name_the_replica_and_each_reaches_a_parameter():
+    from vllm import AsyncEngineArgs
+
+    from cagrpo_ray.config import load_config
+    from cagrpo_ray.rollout.engines import engine_options
+
+    config = load_config("configs/cpu-tiny.yaml", ["model.lora.rank=4", "run.mode=async"])
+    options = engine_options(config, 3)
+    assert options["replica"] == 3
+    accepted = set(inspect.signature(VLLMEngine).parameters) | {
+        f.name for f in dataclasses.fields(AsyncEngineArgs)
+    }
+    assert set(options) <= accepted, set(options) - accepted
