@@ -248,6 +248,24 @@ def smollm2_dir() -> str:
         pytest.skip(message)
 
 
+@pytest.fixture(scope="module")
+def learner_process(request):
+    """A learner in a spawned process running the requesting module's
+    `_learner_main(commands, replies)` (its own default group, as DeepSpeed's learner has);
+    yields the two queues, and sends ("stop",) at the module's end. Request it before the
+    generators, so that its imports overlap their start."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    commands, replies = ctx.Queue(), ctx.Queue()
+    process = ctx.Process(target=request.module._learner_main, args=(commands, replies),
+                          daemon=True)  # fmt: skip
+    process.start()
+    yield commands, replies
+    commands.put(("stop",))
+    process.join(timeout=30)
+
+
 @pytest.fixture(scope="session")
 def random_policies(tmp_path_factory) -> tuple[str, str]:
     """Two random-init char-level policies (seeds 0 and 1), built once a session."""

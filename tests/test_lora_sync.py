@@ -11,7 +11,6 @@ log-probs far more than the tolerance.
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import threading
 import time
@@ -205,17 +204,6 @@ def _learner_main(commands, replies):
 @pytest.fixture(scope="module")
 def policy_dir(random_policies):
     return random_policies[0]  # tests/conftest.py: the seed-0 random policy
-
-
-@pytest.fixture(scope="module")
-def learner_process():
-    ctx = multiprocessing.get_context("spawn")
-    commands, replies = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=_learner_main, args=(commands, replies), daemon=True)
-    process.start()
-    yield commands, replies
-    commands.put(("stop",))
-    process.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -515,18 +515,6 @@ def policy_dirs(random_policies):
 
 
 @pytest.fixture(scope="module")
-def learner_process():
-    """Started first, so that its imports overlap the generators' start."""
-    ctx = multiprocessing.get_context("spawn")
-    commands, replies = ctx.Queue(), ctx.Queue()
-    process = ctx.Process(target=_learner_main, args=(commands, replies), daemon=True)
-    process.start()
-    yield commands, replies
-    commands.put(("stop",))
-    process.join(timeout=30)
-
-
-@pytest.fixture(scope="module")
 def generators(learner_process, policy_dirs, shared_engine):
     """The session's eager vLLM engine on the seed-0 policy (tests/conftest.py), which this
     module joins to a sync group for good and so retires at its end, and an HF engine."""
