@@ -303,7 +303,9 @@ def join_group(
     Admission: the learner publishes a challenge with its proof; each member checks that
     proof (refusing a store that does not hold `secret`) and presents its own; after the
     `joined/` rendezvous the learner admits each member whose proof is right, and each
-    member checks its proof of admission. Only then does any rank form the transport.
+    member checks its proof of admission. Only then does any rank form the transport
+    (`form_transport`). Each wait is bounded by `timeout_s`, the whole join by
+    `join_bound_s(timeout_s)`.
 
     `device` holds the rank's broadcast tensors (by default `sync_device(backend)` of the
     calling thread; the learner joins from a thread of its own, so it passes its device).

@@ -74,7 +74,7 @@ class PyNcclTransport:
     `store`. vLLM is imported here and nowhere else in this package, so CPU runs never load it.
 
     Construction blocks until every rank has called it: NCCL's `ncclCommInitRank` and a
-    warm-up all-reduce have no timeout of their own.
+    warm-up all-reduce have no timeout of their own (`group.form_transport` bounds it).
     """
 
     def __init__(self, store, rank: int, world_size: int, device: torch.device):
