@@ -450,7 +450,7 @@ class Trainer:
         self.learner_restarts.admit(lost, failed_at, None if kept is None else f"step_{kept:06d}")
         started = time.monotonic()
         log.error(
-            "learner rank %s was lost at step %d; rebuilding the learner group from the latest "
+            "learner rank %s was lost after step %d; rebuilding the learner group from the latest "
             "checkpoint (recovery %d of at most %d): %s",
             lost.rank, failed_at, self.learner_restarts.count, cfg.run.max_restarts, lost,
         )  # fmt: skip

@@ -28,7 +28,7 @@ def test_a_lost_rank_is_recovered_max_restarts_times_then_the_run_stops(max_rest
     with pytest.raises(LearnerLostError) as stopped:
         restarts.admit(lost(rank=1), step=9, checkpoint="step_000008")
     message = str(stopped.value)
-    assert "learner rank 1 was lost at step 9" in message
+    assert "learner rank 1 was lost after step 9" in message
     assert f"rebuilt {max_restarts} time" in message
     assert f"run.max_restarts: {max_restarts}" in message
     assert "step_000008, is intact" in message and "--resume auto" in message
@@ -77,5 +77,5 @@ def test_a_run_out_of_recoveries_exits_1_with_one_line_naming_the_rank(monkeypat
     monkeypatch.setattr(command, "run_training", out_of_recoveries)
     assert command.main(["--config", "configs/cpu-tiny.yaml"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: learner rank 1 was lost at step 7")
+    assert err.startswith("error: learner rank 1 was lost after step 7")
     assert "Traceback" not in err

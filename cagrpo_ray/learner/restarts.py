@@ -22,14 +22,12 @@ class LearnerRestarts:
     """The recoveries of the learner group in this job, against `max_restarts`."""
 
     def __init__(self, max_restarts: int):
-        if max_restarts < 0:
-            raise ValueError(f"run.max_restarts must be >= 0, got {max_restarts}")
         self.max_restarts = max_restarts
         self.count = 0  # recoveries made so far
 
     def admit(self, error: LearnerGroupError, step: int, checkpoint: str | None) -> None:
-        """Count one recovery from `error`, raised with the learner at version `step`, or
-        raise when the run must stop instead: `error` itself when no rank's process died
+        """Count one recovery from `error`, raised after learner step `step`, or raise
+        when the run must stop instead: `error` itself when no rank's process died
         (nothing a new group would cure), `LearnerLostError` once `max_restarts` recoveries
         were made. `checkpoint`: the name of the checkpoint the run would resume from (None
         before the first), for the message."""
@@ -43,7 +41,7 @@ class LearnerRestarts:
                 else "it has no checkpoint yet"
             )
             raise LearnerLostError(
-                f"learner rank {error.rank} was lost at step {step}, and the learner group "
+                f"learner rank {error.rank} was lost after step {step}, and the learner group "
                 f"was already rebuilt {self.count} time{'s' * (self.count != 1)} in this job "
                 f"(run.max_restarts: {self.max_restarts}); the run stops, and {kept}. "
                 f"{error}"
