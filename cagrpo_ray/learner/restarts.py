@@ -40,10 +40,15 @@ class LearnerRestarts:
                 if checkpoint
                 else "it has no checkpoint yet"
             )
+            spent = (
+                f"the learner group was already rebuilt {self.count} "
+                f"time{'s' * (self.count != 1)} in this job, as often as run.max_restarts "
+                f"({self.max_restarts}) allows"
+                if self.count
+                else "run.max_restarts is 0"
+            )
             raise LearnerLostError(
-                f"learner rank {error.rank} was lost after step {step}, and the learner group "
-                f"was already rebuilt {self.count} time{'s' * (self.count != 1)} in this job "
-                f"(run.max_restarts: {self.max_restarts}); the run stops, and {kept}. "
-                f"{error}"
+                f"learner rank {error.rank} was lost after step {step}; {spent}, so the run "
+                f"stops, and {kept}. {error}"
             ) from error
         self.count += 1
