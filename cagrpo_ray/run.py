@@ -12,7 +12,8 @@ group, finishes the current step, writes a checkpoint, stops the run's actors an
 Ray cluster, and nothing the run started is left running. Exit status: 0 when the run
 finished; 128 + the signal's number when a signal stopped it (143 SIGTERM, 130 Ctrl-C), its
 checkpoint written, so that no scheduler takes it for a finished run (`--resume auto`
-continues it); 2 for bad input; 1 for any other error.
+continues it); 2 for bad input; 1 for any other error, among them a learner rank lost once
+more than `run.max_restarts` allows (each loss before that is recovered inside the run).
 
 The console shows the project's lines and ends with the final table; what Ray, vLLM and
 DeepSpeed print is in `runs/<name>/logs/` (`cagrpo_ray/console.py`).
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         error = None
     from cagrpo_ray.data.files import PromptFileError
+    from cagrpo_ray.learner.restarts import LearnerLostError
     from cagrpo_ray.metrics.trackers import TrackerError
     from cagrpo_ray.placement import PlacementError
     from cagrpo_ray.plan import PlanError
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         # bad input found once the run looks at it: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if isinstance(error, DynamicSamplingError):  # the latest checkpoint stays as it was
+    if isinstance(error, DynamicSamplingError | LearnerLostError):  # the checkpoint is intact
         print(f"error: {error}", file=sys.stderr)
         return 1
     if error is not None:

@@ -13,6 +13,9 @@ as a Hugging Face directory), `policy/` (the final policy, loadable by transform
 `python -m cagrpo_ray.eval --model`; under LoRA the adapter merged in), `adapter/` (under
 LoRA: the adapter in PEFT's format), end-of-run plots and `summary.json` (with the step-0
 evaluation, kept in `eval_before.json` for a run that resumes).
+
+A learner rank lost during the run is recovered inside it, from the latest checkpoint, with
+the generators kept up (`_recover_learners`), at most `run.max_restarts` times.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.env.episode import environment_options
+from cagrpo_ray.learner.group import LearnerGroupError
+from cagrpo_ray.learner.restarts import LearnerRestarts
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.metrics.trackers import Trackers
@@ -90,6 +95,7 @@ class Trainer:
         self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
         self.stop_requested = False
         self.stop_signal: int | None = None  # the signal that stopped the run, if one did
+        self.learner_restarts = LearnerRestarts(config.run.max_restarts)  # recoveries so far
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.exporter = None
         self.trackers = Trackers([])  # metrics.loggers: W&B, MLflow, TensorBoard
@@ -108,8 +114,6 @@ class Trainer:
     def setup(self) -> None:
         from transformers import AutoTokenizer
 
-        from cagrpo_ray.learner.group import LearnerGroup
-        from cagrpo_ray.learner.settings import learner_settings, loss_spec
         from cagrpo_ray.policies.build import resolve_policy
         from cagrpo_ray.rewards import RewardFunction, load_reward_functions
 
@@ -170,15 +174,7 @@ class Trainer:
         )
         # The learner ranks start while the replicas load (each takes tens of seconds).
         with ThreadPoolExecutor(1, thread_name_prefix="learner-start") as start:
-            learners = start.submit(
-                LearnerGroup,
-                cfg.learner.num_learners,
-                learner_settings(cfg, self.model_path),
-                loss_spec(cfg),
-                actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
-                log_dir=self.log_dir,
-                shard_by=cfg.learner.shard_by,
-            )
+            learners = start.submit(self._learner_group)
             try:
                 self._wait([g.ready.remote() for g in generators], "generator replicas to start")
             finally:  # a failed replica still leaves the started ranks to close()
@@ -186,20 +182,7 @@ class Trainer:
                 self.learners = None if failed else learners.result()
             if failed:
                 raise failed
-        coordinator = WeightSyncCoordinator(
-            self.learners,
-            self.pool,
-            cfg.rollout.tensor_parallel_size,
-            cfg.sync.backend,
-            cfg.sync.timeout_s,
-            cfg.sync.bucket_mb,
-            self._wait,
-        )
-        inspect = self.run_dir if cfg.metrics.inspect_every else None
-        self.scheduler = Scheduler(
-            cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
-            self.learners, coordinator, self._wait, inspect_dir=inspect,
-        )  # fmt: skip
+        self.scheduler = self._new_scheduler()
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
 
@@ -216,6 +199,40 @@ class Trainer:
         if self.resume:
             self._load_latest_checkpoint()
         self.scheduler.start()
+
+    def _learner_group(self):
+        """The learner ranks, each with the initial policy (`LearnerGroup`)."""
+        from cagrpo_ray.learner.group import LearnerGroup
+        from cagrpo_ray.learner.settings import learner_settings, loss_spec
+
+        cfg = self.config
+        return LearnerGroup(
+            cfg.learner.num_learners,
+            learner_settings(cfg, self.model_path),
+            loss_spec(cfg),
+            actor_options=[self.placement.learner(r) for r in range(cfg.learner.num_learners)],
+            log_dir=self.log_dir,
+            shard_by=cfg.learner.shard_by,
+        )
+
+    def _new_scheduler(self) -> Scheduler:
+        """The schedule at step 0 over the run's roles, with a weight-sync coordinator from
+        `self.learners` to the generator pool (the sync group is formed by its `start()`)."""
+        cfg = self.config
+        coordinator = WeightSyncCoordinator(
+            self.learners,
+            self.pool,
+            cfg.rollout.tensor_parallel_size,
+            cfg.sync.backend,
+            cfg.sync.timeout_s,
+            cfg.sync.bucket_mb,
+            self._wait,
+        )
+        inspect = self.run_dir if cfg.metrics.inspect_every else None
+        return Scheduler(
+            cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
+            self.learners, coordinator, self._wait, inspect_dir=inspect,
+        )  # fmt: skip
 
     def _sources(self):
         from cagrpo_ray.data.files import file_sources
@@ -317,13 +334,7 @@ class Trainer:
             elif before.exists():  # resumed: the run's summary still starts from step 0
                 summary["eval_before"] = json.loads(before.read_text())
             self.metrics.truncate_after(self.step)
-            while self.step < cfg.run.steps and not self.stop_requested:
-                self._log_step(self.scheduler.train_step())
-                if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
-                    self.save_checkpoint()
-            self.scheduler.finish_rollouts()
-            if self.checkpointed_step != self.step:  # the periodic save may have just run
-                self.save_checkpoint()
+            self._train()
             if self.stop_requested:
                 log.warning("stopped by signal at step %d; checkpoint written", self.step)
                 summary["stopped_at"] = self.step
@@ -347,8 +358,30 @@ class Trainer:
         finally:
             self.close()
 
+    def _train(self) -> None:
+        """Train to `run.steps` (or until a signal) and checkpoint the last step; a learner
+        rank lost on the way is recovered (`_recover_learners`) as often as the run allows."""
+        cfg = self.config
+        lost: LearnerGroupError | None = None
+        while True:
+            try:
+                if lost is not None:
+                    self._recover_learners(lost)
+                    lost = None
+                while self.step < cfg.run.steps and not self.stop_requested:
+                    self._log_step(self.scheduler.train_step())
+                    if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
+                        self.save_checkpoint()
+                self.scheduler.finish_rollouts()
+                if self.checkpointed_step != self.step:  # the periodic save may have just run
+                    self.save_checkpoint()
+                return
+            except LearnerGroupError as error:  # the group is stopped; a new one may go on
+                lost = error
+
     def _log_step(self, metrics: dict) -> None:
         cfg = self.config
+        metrics["learner/restarts"] = self.learner_restarts.count
         if cfg.run.eval_every and self.step % cfg.run.eval_every == 0:
             metrics.update(_prefixed("eval/", self.evaluate()))
         if self.exporter is not None:
@@ -402,6 +435,43 @@ class Trainer:
         self.scheduler.load(path)
         self.checkpointed_step = self.step
         log.info("resumed from %s (step %d)", path, self.step)
+
+    # ------------------------------------------------------------------------ faults
+
+    def _recover_learners(self, lost: LearnerGroupError) -> None:
+        """Go on after the learner group was stopped by `lost` (`learner/restarts.py`): a new
+        group from the latest checkpoint that verifies (from the initial policy at step 0
+        when there is none), the schedule and its data cursor rewound to it, and the
+        generators, which stay up, joined to a new sync group and given its weights. What
+        was generated since the checkpoint is dropped and the steps since it are trained
+        again, the same way: the schedule is deterministic. Raises, leaving the checkpoints
+        as they are, when the run must stop instead."""
+        cfg, failed_at, kept = self.config, self.step, self.checkpointed_step
+        self.learner_restarts.admit(lost, failed_at, None if kept is None else f"step_{kept:06d}")
+        started = time.monotonic()
+        log.error(
+            "learner rank %s was lost after step %d; rebuilding the learner group from the latest "
+            "checkpoint (recovery %d of at most %d): %s",
+            lost.rank, failed_at, self.learner_restarts.count, cfg.run.max_restarts, lost,
+        )  # fmt: skip
+        # What the old schedule has in flight ends and is dropped: its weight sync (from a
+        # sender that may be gone: each receive fails within sync.timeout_s) and the chunks
+        # being generated. Scoring in flight finishes on its own; the old scheduler, which
+        # alone waits for it, is dropped too.
+        in_sync = self.scheduler.coordinator.pending()
+        if in_sync:
+            ray.wait(in_sync, num_returns=len(in_sync), timeout=cfg.sync.timeout_s)
+        self.pool.drain()
+        self.learners.shutdown()  # every rank: a DeepSpeed group cannot be repaired rank by rank
+        self.learners = self._learner_group()
+        self.scheduler = self._new_scheduler()
+        self._load_latest_checkpoint()
+        self.scheduler.start()  # a sync group with the live generators, and its weights
+        self.metrics.truncate_after(self.step)
+        log.warning(
+            "learner group rebuilt in %.1f s; continuing from step %d (%d trained steps to "
+            "repeat)", time.monotonic() - started, self.step, failed_at - self.step,
+        )  # fmt: skip
 
     # --------------------------------------------------------------------- plumbing
 

@@ -6,6 +6,9 @@ compared with one in-process rank on the whole batch, and the ranks with each ot
 
 from __future__ import annotations
 
+import os
+import time
+
 import deepspeed
 import numpy as np
 import pytest
@@ -158,3 +161,62 @@ def test_two_ranks_match_one_rank(zero_stage, policy_path, batch, one_rank_resul
                 group.train_step(batch)
     finally:
         group.shutdown()
+
+
+def fake_group(num_ranks: int) -> LearnerGroup:
+    """A `LearnerGroup` (only its calls are exercised) over stand-ins for `LearnerActor`s:
+    in a call, each waits `delay` seconds, then returns, raises as a survivor's collective
+    does when its peer's process is gone, raises a plain error, dies, or hangs as a
+    survivor's collective does when its peer raised. (Defined here, so that Ray's workers
+    get the class by value: they cannot import a test module.)"""
+
+    class FakeRank:
+        def call(self, behaviour: str, delay: float = 0.0) -> str:
+            time.sleep(delay)
+            if behaviour == "peer closed":
+                raise RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer")
+            if behaviour == "bug":
+                raise ValueError("a bad batch")
+            if behaviour == "die":
+                os._exit(1)
+            if behaviour == "hang":
+                time.sleep(3600)
+            return behaviour
+
+        def alive(self) -> bool:
+            return True
+
+    group = LearnerGroup.__new__(LearnerGroup)
+    group.actors = [ray.remote(max_restarts=0)(FakeRank).remote() for _ in range(num_ranks)]
+    group.log_files = [None] * num_ranks
+    ray.get([actor.alive.remote() for actor in group.actors])
+    return group
+
+
+@pytest.mark.integration
+def test_a_killed_rank_is_named_lost_even_when_its_partners_error_first(local_ray):
+    group = fake_group(2)
+    actors = group.actors
+    # rank 0's collective fails at once; rank 1's process dies a second later
+    refs = [actors[0].call.remote("peer closed"), actors[1].call.remote("die", 1.0)]
+    with pytest.raises(LearnerGroupError, match="learner rank 1 died during train_step") as err:
+        group.collect(refs, "train_step")
+    assert err.value.lost and err.value.rank == 1
+    assert group.actors == []  # every rank was stopped
+
+
+@pytest.mark.integration
+def test_a_rank_that_raised_stops_its_hanging_partners_and_is_not_lost(local_ray, monkeypatch):
+    import cagrpo_ray.learner.group as group_module
+
+    monkeypatch.setattr(group_module, "DEATH_REPORT_S", 2.0)
+    group = fake_group(2)
+    partner = group.actors[1]
+    refs = [group.actors[0].call.remote("bug"), partner.call.remote("hang")]
+    started = time.monotonic()
+    with pytest.raises(LearnerGroupError, match="learner rank 0 failed during sync") as err:
+        group.collect(refs, "sync")
+    assert not err.value.lost and err.value.rank == 0
+    assert time.monotonic() - started < 30  # bounded: the hanging partner is not waited for
+    with pytest.raises(ray.exceptions.RayActorError):  # it was stopped
+        ray.get(partner.alive.remote(), timeout=60)

@@ -39,6 +39,17 @@ class RunConfig(Section):
         10, ge=0, description="Checkpoint every K steps (0: only at the end)."
     )
     keep_checkpoints: int = Field(2, ge=1, description="How many most recent checkpoints to keep.")
+    # 3: on preemptible nodes a process is lost every few hours, a few times in a long run;
+    # a rank that dies again and again (out of memory at one step, a bad node) is not cured by
+    # another attempt, and 3 bounds what it wastes to about 3 * checkpoint_every steps.
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="How often a lost learner rank is recovered inside the job: the learner "
+        "group is rebuilt from the latest checkpoint, the schedule rewinds to it and the "
+        "generators, which stay up, get its weights. The loss after that stops the run (exit "
+        "status 1, the checkpoint intact). 0: the first loss stops it.",
+    )
     eval_every: int = Field(
         0, ge=0, description="Evaluate every K steps (0: only before and after)."
     )

@@ -4,17 +4,19 @@ The group cuts each learner batch into one shard per rank, keeping prompt groups
 advantages and CA-GRPO's group-scope weights are computed inside a group), runs the ranks'
 steps in parallel and returns rank 0's metrics (every rank reports the same, all-reduced,
 numbers). The ranks form one torch.distributed group: if one actor dies, the others would wait
-in a collective forever, so the group kills them and raises `LearnerGroupError`; the caller
-stops with its last checkpoint intact and resumes from it.
+in a collective forever, so the group kills them and raises `LearnerGroupError` (its `lost`
+says whether a rank's process died, so that the trainer may rebuild the group from its latest
+checkpoint, `learner/restarts.py`; else a rank raised, and the run stops).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import ray
@@ -31,8 +33,21 @@ if TYPE_CHECKING:
     from cagrpo_ray.learner.learner import Learner
 
 
+# How long a failed call waits for the other ranks' outcomes to learn whether a rank's process
+# died: a survivor's collective fails at once when its peer's sockets close, while Ray reports
+# the dead actor within a second or two; a rank that raised leaves its partners hanging in a
+# collective, so this is also what a plain error waits before the group is stopped.
+DEATH_REPORT_S = 10.0
+
+
 class LearnerGroupError(RuntimeError):
-    """A learner rank died or failed; the data-parallel group cannot continue."""
+    """A learner rank died or failed; the data-parallel group cannot continue (its ranks are
+    stopped). `rank`: the rank whose process died, else the rank that raised; `lost`: a
+    process died (the group can be rebuilt), rather than a rank raising an error."""
+
+    def __init__(self, message: str, rank: int | None = None, lost: bool = False):
+        super().__init__(message)
+        self.rank, self.lost = rank, lost
 
 
 class LearnerActor:
@@ -328,7 +343,7 @@ class LearnerGroup:
 
         Waiting on the ranks one by one would hang on a dead rank's partners, which block in a
         collective; so the group waits for whichever finishes first and, on a failure, kills
-        the rest before raising.
+        the rest before raising `LearnerGroupError`.
         """
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         pending, results = list(refs), {}
@@ -337,15 +352,37 @@ class LearnerGroup:
             try:
                 results[rank_of[done[0]]] = ray.get(done[0])
             except (RayActorError, RayTaskError) as err:
-                rank = rank_of[done[0]]
-                died = isinstance(err, RayActorError)
-                log_file = self.log_files[rank]
-                self.shutdown()
-                raise LearnerGroupError(
-                    f"learner rank {rank} {'died' if died else 'failed'} during {method}(); "
-                    f"the data-parallel group cannot continue without it, so all "
-                    f"{len(refs)} ranks were stopped. Resume from the last checkpoint. "
-                    + (f"Its output: {log_file}. " if log_file else "")
-                    + f"Cause: {err}"
-                ) from err
+                self._fail(method, rank_of[done[0]], err, pending, rank_of)
         return [results[rank] for rank in range(len(refs))]
+
+    def _fail(
+        self, method: str, rank: int, err: Exception, pending: list, rank_of: dict
+    ) -> NoReturn:
+        """Stop every rank and raise `LearnerGroupError` for `rank`'s failure `err`.
+
+        The first failure seen is often not the cause: when a rank's process is killed, its
+        partners' collectives fail at once ("Connection closed by peer"), before Ray reports
+        the dead actor. So the other ranks' outcomes are awaited for up to `DEATH_REPORT_S`,
+        and a rank whose actor died is the one named."""
+        dead = rank if isinstance(err, RayActorError) else None
+        deadline = time.monotonic() + DEATH_REPORT_S
+        while dead is None and pending and (left := deadline - time.monotonic()) > 0:
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except RayActorError as other:
+                    dead, err = rank_of[ref], other
+                except RayTaskError:
+                    pass
+        named = rank if dead is None else dead
+        log_file = self.log_files[named]
+        world = len(rank_of)
+        self.shutdown()
+        raise LearnerGroupError(
+            f"learner rank {named} {'failed' if dead is None else 'died'} during {method}(); "
+            f"the data-parallel group cannot continue without it, so all {world} ranks were "
+            "stopped. " + (f"Its output: {log_file}. " if log_file else "") + f"Cause: {err}",
+            rank=named,
+            lost=dead is not None,
+        ) from err

@@ -280,6 +280,13 @@ METRICS: tuple[MetricSpec, ...] = (
         "Generator replicas that crashed and were restarted.",
         _one("generators/restarts"),
     ),
+    MetricSpec(
+        "cagrpo_learner_restarts_total",
+        "running_total",
+        "Times the learner group was rebuilt from the latest checkpoint inside the run, after "
+        "one of its ranks was lost (at most run.max_restarts).",
+        _one("learner/restarts"),
+    ),
     # Multi-turn episodes (rollout.max_turns > 1), over the trained responses
     MetricSpec(
         "cagrpo_env_turns",
