@@ -78,17 +78,33 @@ class WeightSyncCoordinator:
         self._started = 0.0
         self.last: dict[str, float] = {}  # seconds and bytes of the last completed sync
 
-    def build_group(self) -> None:
+    def build_group(self, attempts: int = 3) -> None:
         """(Re)build the sync group: learner rank 0 plus the workers of every live replica
-        (waits for a lost one only while none is live)."""
-        replicas = self.pool.live_replicas()
-        world = 1 + self.workers_per_replica * len(replicas)
-        address = self.learners.open_weight_sender(
-            world, self.backend, self.timeout_s, self.bucket_mb
-        )
-        refs = self.pool.join_weight_sync(address, self.workers_per_replica, replicas)
-        self._wait(refs, f"generator replicas {replicas} to join the weight-sync group")
-        self._broken = False
+        (waits for a lost one only while none is live). A replica found dead while the group
+        forms is lost, and the group is formed again without it."""
+        for _ in range(attempts):
+            replicas = self.pool.live_replicas()
+            world = 1 + self.workers_per_replica * len(replicas)
+            address = self.learners.open_weight_sender(
+                world, self.backend, self.timeout_s, self.bucket_mb
+            )
+            refs = self.pool.join_weight_sync(address, self.workers_per_replica, replicas)
+            problems = []
+            for replica, ref in zip(replicas, refs, strict=True):
+                try:
+                    self._wait([ref], f"generator {replica} to join the weight-sync group")
+                except RayError as exc:
+                    problems.append(f"generator {replica}: {type(exc).__name__}: {exc}")
+                    if isinstance(exc, RayActorError):
+                        self.pool.lose(replica)
+            if not problems:
+                self._broken = False
+                return
+            log.warning(
+                "the weight-sync group did not form (%s); forming it again",
+                "; ".join(p[:300] for p in problems),
+            )
+        raise RuntimeError(f"the weight-sync group did not form {attempts} times; see the log")
 
     # ------------------------------------------------------------------------ blocking
 
