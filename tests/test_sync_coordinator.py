@@ -98,3 +98,15 @@ def test_a_replica_found_dead_while_the_group_forms_is_left_out():
     sync = coordinator(pool, [], outcomes)
     sync.build_group()
     assert pool.calls == [("join", 4, (0, 1, 2)), ("lose", 1), ("join", 3, (0, 2))]
+
+
+def test_a_member_lost_between_syncs_is_left_out_of_the_next():
+    pool = RecordingPool(3)
+    sync = coordinator(pool, [{"num_bytes": 1}, {"num_bytes": 1}], {})
+    sync.build_group()
+    sync.sync(1)
+    pool.lose(1)  # its chunk came back lost: it died while generating
+    pool.calls.clear()
+    sync.start(2)
+    sync.finish()
+    assert pool.calls == [("join", 3, (0, 2)), ("loaded", 2, (0, 2))]

@@ -106,6 +106,12 @@ class WeightSyncCoordinator:
             )
         raise RuntimeError(f"the weight-sync group did not form {attempts} times; see the log")
 
+    def _ensure_group(self) -> None:
+        """Rebuild the group after a failed sync, or once a member was lost since it formed
+        (a send to it would only wait out the sync timeout)."""
+        if self._broken or not set(self.pool.members) <= set(self.pool.live_replicas()):
+            self.build_group()
+
     # ------------------------------------------------------------------------ blocking
 
     def sync(self, version: int, attempts: int = 3) -> dict[str, float]:
@@ -113,8 +119,7 @@ class WeightSyncCoordinator:
         "sync/bytes"}."""
         start = time.perf_counter()
         for attempt in range(1, attempts + 1):
-            if self._broken:
-                self.build_group()
+            self._ensure_group()
             members = self.pool.members
             receives = self.pool.receive_weights(version)
             sent = self.learners.collect(self.learners.submit_send_weights(version), "sync")[0]
@@ -147,8 +152,7 @@ class WeightSyncCoordinator:
 
     def start(self, version: int) -> None:
         """Queue `version` behind each replica's current request and start the send."""
-        if self._broken:
-            self.build_group()
+        self._ensure_group()
         self._version, self._started = version, time.perf_counter()
         self._members = self.pool.members
         self._receives = self.pool.receive_weights(version)
