@@ -179,7 +179,7 @@ class Scheduler:
         # (3) Broadcast the new weights; replicas load them between requests.
         self.coordinator.finish()  # the previous broadcast (normally long done)
         sync_metrics = dict(self.coordinator.last)
-        if schedule.resync_due(bool(self.pool.needs_weights)):
+        if schedule.resync_due(bool(self.pool.needs_weights_now)):
             self.resync()  # a replica restarted or a broadcast failed
         else:
             self.coordinator.start(self.step)
@@ -242,7 +242,7 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Give replicas chunks, as far as the schedule admits them."""
-        if self.schedule.resync_due(bool(self.pool.needs_weights)):
+        if self.schedule.resync_due(bool(self.pool.needs_weights_now)):
             self.resync()
         while (count := self.schedule.prompts_wanted()) > 0:
             replicas = self.pool.available_replicas(count)
@@ -360,8 +360,9 @@ class Scheduler:
         self.schedule.chunk_scored(chunk, records)
 
     def resync(self) -> None:
-        """Bring every replica to the learner's version (learner idle): finish what is
-        generating (results are kept), then rebuild the sync group and load the weights."""
+        """Bring every live replica to the learner's version (learner idle): finish what is
+        generating (results are kept), then rebuild the sync group from the live replicas and
+        load the weights (a lost replica joins at the resync after Ray has restarted it)."""
         self.coordinator.finish()
         for finished in self.pool.drain():
             self._handle_finished(finished)

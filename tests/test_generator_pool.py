@@ -79,7 +79,7 @@ def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, 
 
     def resync():
         resynced.append(alone.needs_weights)
-        alone.loaded(0)
+        alone.loaded(0, [0])
 
     out = alone.generate([[i] for i in range(4)], SamplingConfig(n=1), resync=resync)
     assert [group[0].token_ids[0] for group in out] == list(range(4))

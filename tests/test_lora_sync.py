@@ -62,20 +62,21 @@ def test_vllm_rank_and_slots_from_the_config():
 
 class _FakePool:
     def __init__(self, received):
-        self.received, self.num_replicas = received, len(received)
+        self.received, self.members = received, tuple(range(len(received)))
         self.loaded_versions, self.lost = [], []
 
     def receive_weights(self, version):
-        return list(range(self.num_replicas))  # refs: the replica indices
+        return list(self.members)  # refs: the replica indices
 
-    def loaded(self, version):
-        self.loaded_versions.append(version)
+    def loaded(self, version, replicas):
+        if replicas:
+            self.loaded_versions.append(version)
 
     def lose(self, replica):
         self.lost.append(replica)
 
-    def await_ready(self):
-        raise AssertionError("a wrong adapter must not be retried")
+    def live_replicas(self):
+        return list(self.members)
 
 
 class _FakeLearners:

@@ -125,6 +125,10 @@ class RecordingTrainer(Trainer):
         if self.pool is not None and self.scheduler is not None:
             self.at_close["restarts"] = self.pool.restarts
             self.pool.await_ready()
+            # The run goes on without a lost replica; one back after the last step rejoins at
+            # the next resync, as it would at the run's next step.
+            if self.pool.needs_weights_now:
+                self.scheduler.resync()
             self.at_close["versions"] = ray.get(
                 [g.policy_version.remote() for g in self.pool.actors]
             )

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 import cagrpo_ray.sync.group as sync_group
+from cagrpo_ray.rollout.worker_extension import MODEL_UNUSABLE
 from cagrpo_ray.sync import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
 from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket, unpack_bucket
 from cagrpo_ray.sync.receiver import BufferPool
@@ -437,13 +438,17 @@ def test_a_worker_that_stalls_mid_transfer_fails_the_sync_and_a_new_group_works(
         sender.wait_joined()
         receiver = receiver_future.result(timeout=30)
         got = {}
+        wait = receiver._wait
 
-        def load(stream):
-            for name, tensor in stream:
-                got[name] = tensor.clone()
-                if name == "w1":
-                    time.sleep(stall_s)  # e.g. a worker paused by the OS, or a hung kernel
+        def stalling_wait(work, what):
+            if "bucket 1 " in what:
+                time.sleep(stall_s)  # e.g. a worker paused by the OS
+            wait(work, what)
 
+        def load(tensors):
+            got.update((name, tensor.clone()) for name, tensor in tensors)
+
+        receiver._wait = stalling_wait
         received = _in_thread(receiver.receive, 7, load)
         return sender, received, got
 
@@ -461,6 +466,63 @@ def test_a_worker_that_stalls_mid_transfer_fails_the_sync_and_a_new_group_works(
     sender.send(iter(tensors), version=7)
     received.result(timeout=30)
     assert all(torch.equal(got[name], t) for name, t in tensors)
+    sender.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("failure", ["learner stops after 2 of 6 buckets", "end of send fails"])
+def test_a_sync_that_fails_mid_transfer_leaves_the_model_as_it_was(failure):
+    """The receiver stages the whole version and loads it only once the learner confirms its
+    send: a failure anywhere before leaves every parameter bit for bit as it was, and is a
+    plain sync error (the model stays usable; its replica keeps serving)."""
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(64, 64, bias=False) for _ in range(6)))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    new = [(name, torch.randn(64, 64, generator=g)) for name in before]  # 16 KiB each
+    sender = WeightSender(world_size=2, timeout_s=SHORT_TIMEOUT_S, bucket_mb=16 / 1024)
+    receiver_future = _in_thread(WeightReceiver, sender.address, 1)
+    sender.wait_joined()
+    receiver = receiver_future.result(timeout=30)
+    waited, wait = [], receiver._wait
+
+    def recording_wait(work, what):
+        wait(work, what)
+        waited.append(what)  # only the waits that completed: the buckets that arrived
+
+    receiver._wait = recording_wait
+    state = model.state_dict()
+
+    @torch.no_grad()
+    def load(tensors):  # a loader that changes each layer as soon as its tensor is given
+        for name, tensor in tensors:
+            state[name].copy_(tensor)
+
+    received = _in_thread(receiver.receive, 1, load)
+    if failure == "end of send fails":
+        broadcast = sender._broadcast
+
+        def broadcast_then_fail(*args):
+            broadcast(*args)  # every bucket reaches the receiver ...
+            raise WeightSyncError("the last broadcast failed on another worker")  # ... then
+
+        sender._broadcast = broadcast_then_fail
+        with pytest.raises(WeightSyncError, match="another worker"):
+            sender.send(iter(new), version=1)
+        arrived, message = 6, "learner's send failed after .* received every bucket"
+    else:
+
+        def stopping():  # the learner's tensors stop coming (a ZeRO-3 gather that failed)
+            yield from new[:4]  # consumed a bucket ahead (and one tensor): 0 and 1 are sent
+            raise RuntimeError("gather failed")
+
+        with pytest.raises(RuntimeError, match="gather failed"):
+            sender.send(stopping(), version=1)
+        arrived, message = 2, "mid-transfer"
+    with pytest.raises(WeightSyncError, match=message) as error:
+        received.result(timeout=30)
+    assert MODEL_UNUSABLE not in str(error.value)
+    assert sum(bool(re.search(r": bucket \d", what)) for what in waited) == arrived, waited
+    assert all(torch.equal(model.state_dict()[name], t) for name, t in before.items())
     sender.close()
 
 

@@ -23,8 +23,12 @@ What the reload says, and what it means:
   checkpoint carries: vLLM logs "RotaryEmbedding: Failed to load weights" at every reload and
   keeps the (correct) buffer. That line is expected and dropped.
 - Any other layer that received nothing is a real failure: the sync raises, naming it.
-- An exception inside the reload leaves the model half-loaded (vLLM does not roll back): the
-  error says "model left unusable", and the generator exits so that Ray restarts it.
+- The receiver hands over a whole version at once, staged in host memory, and only once the
+  learner has confirmed its send (`sync/receiver.py`): a sync that fails mid-transfer (a peer
+  or the learner died) is a plain `WeightSyncError` raised before the reload starts, and the
+  worker keeps serving the previous version intact.
+- An exception inside the reload itself leaves the model half-loaded (vLLM does not roll
+  back): the error says "model left unusable", and the generator exits so that Ray restarts it.
 
 Under LoRA the base weights never change: `receive_adapter` stages the adapter's tensors in
 host memory and registers them with vLLM's LoRA manager under a new id once all are in, and
@@ -66,7 +70,9 @@ class WeightSyncExtension:
         return rank
 
     def receive_weights(self, version: int, record_digests: bool = False) -> dict:
-        """Receive policy `version` from the learner into this worker's model.
+        """Receive policy `version` from the learner into this worker's model: one reload of
+        the whole version, staged by the receiver; a transfer that fails raises a
+        `WeightSyncError` with the previous version still loaded.
 
         Returns {"version", "num_bytes", "seconds"} and, with `record_digests`, "digests": the
         sha256 of each tensor as received, by the sender's name (to check a transfer bit for
@@ -93,11 +99,11 @@ class WeightSyncExtension:
         """Receive policy `version` as a LoRA adapter (PEFT-named tensors, `LoraSpec` `spec`
         as a dict) and register it in vLLM's LoRA manager as `lora_id` (`vllm_lora.py`).
 
-        Staged: every tensor is copied out of the receive buffers first, and the adapter is
-        registered only once all of them are in, so nothing served changes before that (a
-        failed transfer leaves every registered adapter as it was). A failed registration
-        reaches the learner's send as this worker's error. Returns {"version", "num_bytes",
-        "seconds"}.
+        Staged by the receiver (a whole version, confirmed by the learner, before `load`), so
+        a failed transfer leaves every registered adapter as it was; the tensors are copied
+        out of the receive buffers, which the next sync reuses, into host memory, where vLLM
+        keeps registered adapters. A failed registration reaches the learner's send as this
+        worker's error. Returns {"version", "num_bytes", "seconds"}.
         """
         from cagrpo_ray.policies.lora import LoraSpec
         from cagrpo_ray.rollout.vllm_lora import register_adapter
@@ -112,8 +118,6 @@ class WeightSyncExtension:
 
         def load(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
             for name, tensor in named_tensors:
-                # a copy in host memory, where vLLM keeps registered adapters: the bucket's
-                # buffer is reused by the next sync
                 staged[name] = tensor.to("cpu", copy=True)
             register_adapter(self.model_runner, lora_id, staged, lora)
 

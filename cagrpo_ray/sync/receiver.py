@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from cagrpo_ray.sync.group import (
     absent_ranks,
     as_sync_address,
     join_group,
+    missing_keys,
     open_store,
     start_broadcast,
     sync_device,
@@ -24,7 +25,7 @@ from cagrpo_ray.sync.group import (
 )
 from cagrpo_ray.sync.sender import SyncStats
 
-LoadWeights = Callable[[Iterator[tuple[str, torch.Tensor]]], object]
+LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
 
 
 class WeightReceiver:
@@ -57,12 +58,14 @@ class WeightReceiver:
     def receive(self, version: int, load: LoadWeights) -> SyncStats:
         """Receive policy `version` from the learner; `load(named_tensors)` puts it in the model.
 
-        `load` gets one iterator over every tensor of the sync, which runs the broadcasts as it
-        is consumed (so a model loader that processes a layer only once all its tensors are in
-        sees them all in one call). Each bucket has its own buffer: the tensors stay valid for
-        as long as `load` holds them. Whatever `load` leaves unconsumed is received and dropped,
-        so that the learner is never left mid-send; if `load` raises, the learner's `send`
-        fails naming this rank and the error.
+        Staged: every bucket is received into host memory first (the bucket buffers
+        themselves on the CPU, a host copy of each bucket on a GPU), and `load` is called once,
+        with the list of every tensor of the sync, only after the last bucket has arrived and
+        the learner has confirmed that its send ended well (`sender.py`, step 4). So a sync
+        that fails mid-transfer (a peer died, the learner gave up) raises `WeightSyncError`
+        before anything of the model changed: the worker serves the previous version intact.
+        If `load` raises, the learner's `send` fails naming this rank and the error, and the
+        error reaches the caller unchanged.
         """
         what = f"weight sync v{version}"
         timeout_s = self.address.timeout_s
@@ -78,51 +81,70 @@ class WeightReceiver:
             )
 
         totals = {"tensors": 0, "bytes": 0, "buckets": 0}
-        stream = self._stream(version, totals)
+        staged = self._stage(version, totals)
+        self._confirm_sent(version)
         loaded = f"v{version}/loaded/{self.rank}"
         try:
-            load(stream)
-        except WeightSyncError:
-            raise  # the transfer itself failed: the group is broken, nothing left to drain
+            load(staged)
         except Exception as exc:
-            for _ in stream:
-                pass
             self._store.set(loaded, f"error: {type(exc).__name__}: {exc}"[:2000])
             raise
-        for _ in stream:
-            pass
+        del staged  # the views must not keep the bucket buffers from being reused
+        self._buffers.trim(keep=totals["buckets"])
         self._store.set(loaded, "ok")
         seconds = time.perf_counter() - start
         return SyncStats(version, totals["tensors"], totals["bytes"], totals["buckets"], seconds)
 
-    def _stream(self, version: int, totals: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    def _stage(self, version: int, totals: dict) -> list[tuple[str, torch.Tensor]]:
+        """Every tensor of the sync, as views into host memory that nothing reuses before the
+        load: the buckets' own buffers on the CPU (`BufferPool` reuses a buffer only once no
+        view of it is held), a host copy of each bucket otherwise (its device buffer is then
+        free for the next bucket)."""
         what = f"weight sync v{version}"
         first_size = torch.zeros(1, dtype=torch.int64, device=self._device)
         self._wait(self._start(first_size), f"{what}: first bucket size")
         nbytes = int(first_size.item())
         bucket = self._buffers.take(nbytes)
         work = self._start(bucket)
+        staged: list[tuple[str, torch.Tensor]] = []
         while True:
             index = totals["buckets"]
             self._wait(work, f"{what}: bucket {index} ({nbytes} bytes)")
+            if bucket.device.type != "cpu":
+                bucket = bucket.to("cpu")
             header, next_nbytes, tensors = unpack_bucket(bucket)
             if header.version != version or header.index != index:
                 raise WeightSyncError(
                     f"{what}: generator worker rank {self.rank} expected bucket {index} "
                     f"of v{version} and got bucket {header.index} of v{header.version}"
                 )
-            if next_nbytes:  # receive the next bucket while this one is being loaded
+            if next_nbytes:
                 following = self._buffers.take(next_nbytes)
                 work = self._start(following)
             totals["tensors"] += len(tensors)
             totals["bytes"] += sum(slot.nbytes for slot in header.slots)
             totals["buckets"] += 1
-            yield from tensors
-            del tensors  # our own views must not keep the bucket's buffer from being reused
+            staged.extend(tensors)
             if not next_nbytes:
-                self._buffers.trim()
-                return
+                return staged
             bucket, nbytes = following, next_nbytes
+
+    def _confirm_sent(self, version: int) -> None:
+        """Wait for the learner's end of send (`v<v>/sent`); raise unless it ended well."""
+        what = f"weight sync v{version}"
+        key = f"v{version}/sent"
+        if missing_keys(self._store, [key], self.address.timeout_s):
+            raise WeightSyncError(
+                f"{what}: generator worker rank {self.rank} received every bucket but the "
+                f"learner (rank 0) did not confirm the end of its send within "
+                f"{self.address.timeout_s:g} s; the previous version stays loaded"
+            )
+        outcome = self._store.get(key).decode()
+        if outcome != "ok":
+            raise WeightSyncError(
+                f"{what}: the learner's send failed after generator worker rank {self.rank} "
+                f"received every bucket ({outcome}); the previous version stays loaded"
+            )
 
     def _start(self, tensor: torch.Tensor):
         try:
@@ -154,10 +176,10 @@ class BufferPool:
     """Receive buffers, each reused once nothing outside the pool holds a view of it.
 
     Fresh memory costs page faults on first touch, about five times a copy of the same bytes
-    on the CPU, so buffers are kept across buckets and syncs. A loader may hold a bucket's
-    tensors past the bucket (vLLM's reload keeps a layer's tensors until all of them are in),
-    so a buffer is free only when the use count of its storage is back to what it was when
-    the pool alone held it; in-flight broadcasts hold it too.
+    on the CPU, so buffers are kept across buckets and syncs. A receive stages a whole version
+    before loading it (the staged tensors are views of the buckets), so a buffer is free only
+    when the use count of its storage is back to what it was when the pool alone held it;
+    in-flight broadcasts hold it too.
     """
 
     def __init__(self, device: torch.device, keep: int = 3):
@@ -174,14 +196,16 @@ class BufferPool:
         self._buffers.append((buffer, _use_count(buffer)))
         return buffer[:nbytes]
 
-    def trim(self) -> None:
-        """Keep the `keep` largest free buffers (and every busy one); forget the others."""
+    def trim(self, keep: int = 0) -> None:
+        """Keep the max(`keep`, the pool's `keep`) largest free buffers (and every busy one);
+        forget the others. A staged sync of n buckets on the CPU holds n buffers at once: kept
+        for the next sync, which needs as many."""
         free, busy = [], []
         for entry in self._buffers:
             buffer, idle = entry
             (free if idle is not None and _use_count(buffer) == idle else busy).append(entry)
         free.sort(key=lambda entry: entry[0].numel(), reverse=True)
-        self._buffers = busy + free[: self.keep]
+        self._buffers = busy + free[: max(keep, self.keep)]
 
 
 def _use_count(tensor: torch.Tensor) -> int | None:

@@ -7,9 +7,14 @@ One sync of version v, as both ends see it (keys live in the group's own `TCPSto
    `v<v>/ready/0` (a worker's timeout here says the learner did not send);
 3. a broadcast of the first bucket's size, then one broadcast per bucket (`buckets.py`); each
    bucket carries the next one's size, so both ends keep one bucket in flight while they pack
-   (learner) or load (workers) another;
-4. each worker writes `v<v>/loaded/<rank>` after the last bucket, and `send` returns when all
-   have (so its time covers the weights being in every engine).
+   (learner) or stage (workers) another;
+4. once its last broadcast is done the learner writes `v<v>/sent`: "ok", or "failed: ..." when
+   its send failed (a worker died mid-transfer, a tensor could not be gathered);
+5. each worker stages the whole version (`receiver.py`) and loads it into its model only once
+   it holds the last bucket and reads "ok" there: a sync that fails anywhere before leaves
+   every surviving worker serving the previous version intact;
+6. each worker writes `v<v>/loaded/<rank>` after its load, and `send` returns when all have
+   (so its time covers the weights being in every engine).
 """
 
 from __future__ import annotations
@@ -141,6 +146,41 @@ class WeightSender:
         group = self._group(what)
         workers = list(range(1, self.world_size))
 
+        try:
+            num_tensors, num_bytes, num_buckets = self._broadcast(group, named_tensors, version)
+        except Exception as exc:
+            # Receivers may be left mid-stream: the group is not reused. They load nothing
+            # without this key, so they keep serving the previous version.
+            self._broken = self._broken or f"{what}: the send failed"
+            self._store.set(f"v{version}/sent", f"failed: {type(exc).__name__}: {exc}"[:2000])
+            raise
+        self._store.set(f"v{version}/sent", "ok")
+
+        absent = absent_ranks(self._store, f"v{version}/loaded", workers, self.timeout_s)
+        if absent:
+            raise WeightSyncError(
+                f"{what}: {describe_ranks(absent)} received the weights but did not confirm "
+                f"loading them within {self.timeout_s:g} s"
+            )
+        for rank in workers:
+            outcome = self._store.get(f"v{version}/loaded/{rank}").decode()
+            if outcome != "ok":
+                raise WeightSyncError(
+                    f"{what}: generator worker rank {rank} failed to load: "
+                    f"{outcome.removeprefix('error: ')}"
+                )
+        for key in ("ready", "loaded"):
+            for rank in range(self.world_size):
+                self._store.delete_key(f"v{version}/{key}/{rank}")
+        self._store.delete_key(f"v{version}/sent")
+        self.version = version
+        return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+
+    def _broadcast(
+        self, group, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> tuple[int, int, int]:
+        """The first bucket's size, then every bucket; returns (tensors, bytes, buckets)."""
+        what = f"weight sync v{version}"
         buckets = (
             plan_bucket(tensors, version, index)
             for index, tensors in enumerate(group_into_buckets(named_tensors, self.bucket_bytes))
@@ -163,25 +203,7 @@ class WeightSender:
             num_buckets += 1
             current = following
         self._wait(*in_flight)
-
-        absent = absent_ranks(self._store, f"v{version}/loaded", workers, self.timeout_s)
-        if absent:
-            raise WeightSyncError(
-                f"{what}: {describe_ranks(absent)} received the weights but did not confirm "
-                f"loading them within {self.timeout_s:g} s"
-            )
-        for rank in workers:
-            outcome = self._store.get(f"v{version}/loaded/{rank}").decode()
-            if outcome != "ok":
-                raise WeightSyncError(
-                    f"{what}: generator worker rank {rank} failed to load: "
-                    f"{outcome.removeprefix('error: ')}"
-                )
-        for key in ("ready", "loaded"):
-            for rank in range(self.world_size):
-                self._store.delete_key(f"v{version}/{key}/{rank}")
-        self.version = version
-        return SyncStats(version, num_tensors, num_bytes, num_buckets, time.perf_counter() - start)
+        return num_tensors, num_bytes, num_buckets
 
     def announce(self, version: int) -> None:
         """Wait until every generator worker is inside `receive(version)`, then tell them the
