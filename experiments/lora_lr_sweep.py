@@ -40,7 +40,9 @@ def train(out: Path, method: str, lr: float, steps: int) -> Path:
     run_dir = out / name
     if (run_dir / "summary.json").exists():
         return run_dir
-    sets = [f"algorithm.lr={lr}", f"run.steps={steps}", f"run.name={name}", f"run.output_dir={out}"]
+    sets = [f"algorithm.lr={lr:g}", f"run.steps={steps}", f"run.name={name}"]
+    sets += [f"run.output_dir={out}"]
+    sets += ["metrics.port=0", "metrics.inspect_port=null"]  # no fixed port another job may hold
     if steps == SWEEP_STEPS:
         sets += ["run.checkpoint_every=0", "run.save_policy=never", *SWEEP_EVAL]
     cmd = [sys.executable, "-m", "cagrpo_ray.run", "--config", CONFIGS[method], "--resume", "auto"]
@@ -93,7 +95,8 @@ def main() -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
         before = json.loads((run_dir / "eval_before.json").read_text())
         print(f"{method} lr {lr:.0e}: before {json.dumps(before)[:400]}")
-        print(f"{method} lr {lr:.0e}: summary eval {[(k, v) for k, v in summary.items() if k.startswith('eval')]}")
+        after = {k: v for k, v in summary.items() if k.startswith("eval")}
+        print(f"{method} lr {lr:.0e}: summary eval {after}")
 
 
 if __name__ == "__main__":
