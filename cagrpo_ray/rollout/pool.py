@@ -319,7 +319,8 @@ class GeneratorPool:
             self._behind.discard(replica)
 
     def await_ready(self, timeout_s: float = 900.0) -> None:
-        """Wait until every replica answers (Ray refuses calls while it restarts an actor)."""
+        """Wait until every replica answers (Ray refuses calls while it restarts an actor).
+        Then none is lost: a restarted one counts at once in `needs_weights_now`."""
         deadline = time.monotonic() + timeout_s
         for replica, actor in enumerate(self._actors):
             while True:
@@ -332,6 +333,7 @@ class GeneratorPool:
                         raise RuntimeError(message) from exc
                     log.warning("waiting for generator replica %d to restart", replica)
                     time.sleep(1.0)
+        self._lost.clear()
 
     # ---------------------------------------------------------------- blocking generation
 
