@@ -74,6 +74,19 @@ def _receive(receiver: WeightReceiver, version: int, into: dict) -> None:
     receiver.receive(version, lambda tensors: into.update((n, t.clone()) for n, t in tensors))
 
 
+def _started(calls) -> list[threading.Thread]:
+    """One started thread per `(target, args)` (the receivers wait while the ranks send)."""
+    threads = [threading.Thread(target=target, args=args) for target, args in calls]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _joined(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(timeout=DEADLINE_S)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-rank-4"])
 def test_two_zero3_ranks_send_their_gathered_parameters_bit_for_bit(policy_path, lora):
     ctx = multiprocessing.get_context("spawn")
@@ -95,12 +108,9 @@ def test_two_zero3_ranks_send_their_gathered_parameters_bit_for_bit(policy_path,
             receivers[index] = WeightReceiver(address, 1 + index)
             _receive(receivers[index], 1, received[index])
 
-        threads = [threading.Thread(target=join_and_receive, args=(i,)) for i in range(RECEIVERS)]
-        for thread in threads:
-            thread.start()
+        threads = _started([(join_and_receive, (i,)) for i in range(RECEIVERS)])
         kind, sent_v1 = replies.get(timeout=DEADLINE_S)
-        for thread in threads:
-            thread.join(timeout=DEADLINE_S)
+        _joined(threads)
         assert kind == "sent v1" and "error" not in sent_v1, sent_v1
         first = [dict(r) for r in received]
         go_on.set()
@@ -113,15 +123,9 @@ def test_two_zero3_ranks_send_their_gathered_parameters_bit_for_bit(policy_path,
         # v3: the group is still whole after a no-go.
         for r in received:
             r.clear()
-        threads = [
-            threading.Thread(target=_receive, args=(receivers[i], 3, received[i]))
-            for i in range(RECEIVERS)
-        ]
-        for thread in threads:
-            thread.start()
+        threads = _started([(_receive, (receivers[i], 3, received[i])) for i in range(RECEIVERS)])
         kind, sent_v3 = replies.get(timeout=DEADLINE_S)
-        for thread in threads:
-            thread.join(timeout=DEADLINE_S)
+        _joined(threads)
         assert kind == "sent v3" and "error" not in sent_v3, sent_v3
 
         finals = dict(replies.get(timeout=DEADLINE_S) for _ in range(2))
