@@ -38,7 +38,7 @@ def run_name(method: str, lr: float, steps: int) -> str:
 def train(out: Path, method: str, lr: float, steps: int) -> Path:
     name = run_name(method, lr, steps)
     run_dir = out / name
-    if (run_dir / "summary.json").exists():
+    if finished(run_dir, steps):
         return run_dir
     sets = [f"algorithm.lr={lr:g}", f"run.steps={steps}", f"run.name={name}"]
     sets += [f"run.output_dir={out}"]
@@ -51,6 +51,12 @@ def train(out: Path, method: str, lr: float, steps: int) -> Path:
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return run_dir
+
+
+def finished(run_dir: Path, steps: int) -> bool:
+    """Whether `run_dir` holds a run that reached `steps` (a stopped run leaves a summary too)."""
+    summary = run_dir / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("final_step") == steps
 
 
 def train_rewards(run_dir: Path, steps: int) -> list[float]:
@@ -80,7 +86,7 @@ def main() -> None:
         for f in FACTORS:
             lr = CENTRE[method] * f
             final = args.out / run_name(method, lr, FINAL_STEPS)
-            run_dir = final if (final / "summary.json").exists() else None
+            run_dir = final if finished(final, FINAL_STEPS) else None
             if run_dir is None:
                 run_dir = train(args.out, method, lr, FINAL_STEPS if f == 1.0 else SWEEP_STEPS)
             scores[lr] = mean_se(train_rewards(run_dir, SWEEP_STEPS))
