@@ -125,3 +125,22 @@ def test_work_waits_for_an_idle_replica_that_is_loading_weights(local_ray):
     out = pool.generate([[i] for i in range(8)], SamplingConfig(n=1))
     assert [group[0].token_ids[0] for group in out] == list(range(8))
     assert {c.text for group in out for c in group} == {"fast", "slow"}
+
+
+def test_a_replica_lost_after_its_load_but_before_it_was_reported_still_needs_weights(local_ray):
+    """The coordinator reports a sync's loads after the fact (`loaded`). A replica lost in
+    between (tests/test_chaos.py kills one mid-generation, after its load of the step's
+    weights) holds nothing once Ray restarts it: it must stay in `needs_weights`, or it is
+    never resynced, is given work it answers at version 0, and is counted lost twice."""
+    actors = [EchoReplica.remote("a"), EchoReplica.remote("b")]
+    pool = GeneratorPool(actors, chunk_prompts=2)
+    ray.get(pool.receive_weights(3))
+    pool.lose(1)  # its chunk failed: it died after its load
+    pool.loaded(3, [0, 1])  # the coordinator collects the sync: both receives had succeeded
+    assert pool.needs_weights == {1} and pool.restarts == 1
+    assert pool.available_replicas() == [0]
+    pool.await_ready()  # Ray has restarted it (this one never died: it answers at once)
+    assert pool.needs_weights_now == {1}
+    ray.get(pool.receive_weights(4))  # the resync brings it back
+    pool.loaded(4, [0, 1])
+    assert not pool.needs_weights and pool.version(1) == 4 and pool.restarts == 1
