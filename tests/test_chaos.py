@@ -11,7 +11,9 @@ first step at which it does:
 
 1. verifier: a verifier worker of the reward pool is SIGKILLed while the learner trains (at
    bound 0 nothing is being scored then); the pool replaces it when it hands it the next job,
-   and that job is scored by the new worker;
+   and that job is scored by the new worker. (Killed while scoring, its job would score 0
+   with an error, by design: a job that kills its worker is not retried, `rewards/pool.py`;
+   that step's rewards would then differ from the reference's.)
 2. learner: learner rank 1's process is SIGKILLed while it trains
    (tests/test_learner_recovery.py's `KillingTrainer`); the run rebuilds the learner group
    from the latest checkpoint and trains the steps since it again;
