@@ -77,8 +77,9 @@ def test_a_dead_replica_loses_nothing_and_is_resynced_before_serving(local_ray, 
     alone.lose(0)
     resynced = []
 
-    def resync():
+    def resync():  # as the coordinator does: start the loads, then report them
         resynced.append(alone.needs_weights)
+        ray.get(alone.receive_weights(0))
         alone.loaded(0, [0])
 
     out = alone.generate([[i] for i in range(4)], SamplingConfig(n=1), resync=resync)

@@ -81,7 +81,6 @@ class GeneratorPool:
         self._next_version = [0] * len(actors)  # what each replica samples with next
         self._loading: dict[int, object] = {}  # replica -> its pending receive_weights ref
         self._before_load: dict[int, int] = {}  # replica -> its version before that load
-        self._lost_since_load: set[int] = set()  # lost after its load began, before `loaded`
         self._stale: set[int] = set()  # must get the current weights before serving
         self._behind: set[int] = set()  # a sync failed on them: they serve their old version
         self._lost: dict[int, object] = {}  # replica -> a `ready` probe, until Ray restarted it
@@ -274,8 +273,7 @@ class GeneratorPool:
         which reports loads after the fact (`loaded`), may report it after this."""
         if replica not in self._stale:
             self._restarts += 1
-        if self._before_load.pop(replica, None) is not None:
-            self._lost_since_load.add(replica)
+        self._before_load.pop(replica, None)
         self._stale.add(replica)
         self._behind.discard(replica)
         if replica not in self._lost:
@@ -307,7 +305,6 @@ class GeneratorPool:
         request; requests sent after it sample with `version`. The refs, in `members` order,
         resolve when each replica has loaded."""
         refs = []
-        self._lost_since_load.difference_update(self._members)
         for replica in self._members:
             self._before_load[replica] = self._next_version[replica]
             self._next_version[replica] = version
@@ -317,10 +314,9 @@ class GeneratorPool:
 
     def loaded(self, version: int, replicas) -> None:
         """`replicas` now hold `version` (their part of a sync succeeded), except one lost
-        since its load began (`lose`): it holds nothing, and still needs the weights."""
+        since its load began: `lose` dropped that load, and the replica still needs weights."""
         for replica in replicas:
-            if replica in self._lost_since_load:
-                self._lost_since_load.discard(replica)
+            if replica not in self._before_load:
                 continue
             self._next_version[replica] = version
             self._loading.pop(replica, None)
