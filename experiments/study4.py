@@ -90,6 +90,19 @@ def planned(out: Path) -> list:
     return runs
 
 
+def untested(out: Path) -> list[str]:
+    """The finished runs of the plan whose policy is on this machine and lacks a test result
+    (its test failed, or a stop cut it short): tested before the next run trains, as a policy
+    does not outlive its machine."""
+    return [
+        r.name
+        for r in planned(out)
+        if (out / r.name / "policy").exists()
+        and not tested(r.name, out)
+        and study3.finished(r, out) is not None
+    ]
+
+
 def every_lr_chosen(made: dict) -> bool:
     return set(made.get("chosen_lr", {})) == set(plan.METHODS)
 
@@ -245,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in todo:
                 print(shlex.join(study3.train_command(r, out)))
             return 0
+        for name in untested(out):
+            test_policy(name, str(out / name / "policy"), out, src, args.archive)
+            write_table(out, args.page)
         if not todo:
             break
         run = study3.next_run(todo, out, args.finish_by)

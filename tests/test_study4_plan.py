@@ -78,6 +78,28 @@ def test_the_study_plans_the_3e6_runs_first_then_chooses_with_round3s_rule(tmp_p
         "grid-grpo-lr1e-5-s1", "seeds-grpo-lr1e-5-s2", "seeds-grpo-lr1e-5-s3"]  # fmt: skip
 
 
+def test_a_finished_run_whose_policy_lacks_a_test_is_tested_before_the_next_run(tmp_path):
+    """A test that failed, or one a stop cut short, is taken up at the next start while the
+    policy is here; round 3's restored runs (no policy) and an unfinished run are not."""
+    out = tmp_path / "out"
+    out.mkdir()
+    study4.restore(out, tmp_path / "archive")
+    grpo, cagrpo = plan.grid_runs(["3e-6"])
+    write_run(out, grpo, *grid_run(0.148, [0.15, 0.16, 0.17]))
+    assert study4.untested(out) == []  # finished, but its policy is not here
+    for run in (grpo, cagrpo):
+        (out / run.name / "policy").mkdir(parents=True)
+    assert study4.untested(out) == [grpo.name]  # CA-GRPO's run has not finished
+    (out / study4.TESTS).mkdir()
+    names = [study4.result_name(grpo.name, split, setting)
+             for split, settings in plan.TEST_SETTINGS.items() for setting in settings]  # fmt: skip
+    for name in names[:-1]:
+        (out / study4.TESTS / f"{name}.samples.jsonl.gz").touch()
+    assert study4.untested(out) == [grpo.name]  # one of its four results is missing
+    (out / study4.TESTS / f"{names[-1]}.samples.jsonl.gz").touch()
+    assert study4.untested(out) == []
+
+
 def test_cagrpos_three_broken_round3_runs_make_the_1e6_runs_certain(tmp_path):
     """Round 3's rule takes the lowest lr when every run is broken and the best unbroken one
     otherwise; CA-GRPO's runs at 1e-5, 3e-5 and 1e-4 are all broken, so it chooses 3e-6
