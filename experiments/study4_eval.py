@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("eval_args", nargs=argparse.REMAINDER, help="-- then the eval's args")
     args = parser.parse_args(argv)
     eval_args = args.eval_args[1:] if args.eval_args[:1] == ["--"] else args.eval_args
-    import cagrpo_ray.eval.evaluate as module
+    # the module itself: `import cagrpo_ray.eval.evaluate as module` would bind the function
+    # that the package's __init__ re-exports under the same name
+    module = importlib.import_module("cagrpo_ray.eval.evaluate")
     from cagrpo_ray.eval import cli
 
     print(f"[study4_eval] cagrpo_ray from {Path(module.__file__).parents[1]}", flush=True)
