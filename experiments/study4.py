@@ -194,6 +194,34 @@ def verdict(out: Path, made: dict, split: str = plan.PRIMARY[0], setting: str = 
     return {**plan.verdict(d), "paired_se": se, "split": split, "setting": setting}
 
 
+def tests_so_far(out: Path, made: dict) -> list[str]:
+    """A row per policy with any test result: pass@1 and the share of responses cut at the
+    cap, per split and setting, as each result comes in."""
+    names = ["start", *(r.name for r in planned(out))]
+    names += [r.name for r in plan.verdict_runs(made.get("chosen_lr", {}))]
+    columns = [(split, setting) for split, settings in plan.TEST_SETTINGS.items()
+               for setting in settings]  # fmt: skip
+    rows = []
+    for name in dict.fromkeys(names):
+        cells = []
+        for split, setting in columns:
+            kept = samples(out, name, split, setting)
+            if kept is None:
+                cells.append("")
+                continue
+            table = plan.sample_table(kept)
+            cells.append(f"{table['pass@1']:.3f} (cut {100 * table['truncated']:.1f}%)")
+        if any(cells):
+            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    head = " | ".join(f"{split} {setting}" for split, setting in columns)
+    return [
+        "## Tests so far: pass@1 (share of responses cut at the token cap)", "",
+        f"| policy | {head} |", "|---|" + "---|" * len(columns), *rows, "",
+    ]  # fmt: skip
+
+
 def write_table(out: Path, page: Path) -> None:
     """The runs so far, the rule's choices and, once the verdict's runs are all tested, each
     policy's test tables and the verdict on both splits."""
@@ -213,6 +241,7 @@ def write_table(out: Path, page: Path) -> None:
             f"{summary['eval_before']['pass@1']:.3f} -> {curve} |"
         )
     lines += ["", "Choices: `" + json.dumps(made) + "`", ""]
+    lines += tests_so_far(out, made)
     primary = verdict(out, made)
     if primary is not None:
         names = ["start"] + [r.name for r in plan.verdict_runs(made["chosen_lr"])]

@@ -320,3 +320,56 @@ def test_round3s_statistics_on_its_page_come_from_its_kept_test_results():
     assert [round(x, 3) for x in se] == [0.019, 0.016, 0.019]
     assert [round(x, 3) for x in plan.t_interval(d)] == [-0.112, 0.009]
     assert plan.sign_test_p(d) == 0.125
+
+
+def write_samples(out: Path, name: str, split: str, setting: str, rate: float, rng) -> None:
+    import gzip
+
+    n = int(plan.TEST_SETTINGS[split][setting][1])
+    kept = [sample(f"p{p}", rng.random() < rate, truncated=rng.random() < 0.1)
+            for p in range(50) for _ in range(n)]  # fmt: skip
+    path = out / study4.TESTS / f"{study4.result_name(name, split, setting)}.samples.jsonl.gz"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with gzip.open(path, "wt") as handle:
+        handle.write("".join(json.dumps(s) + "\n" for s in kept))
+
+
+def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_end(tmp_path):
+    """`write_table` through the whole study: the runs, then each policy's tests as they come,
+    then (every verdict policy tested on both splits) the tables and the rule's label."""
+    out, page = tmp_path / "out", tmp_path / "runs.md"
+    out.mkdir()
+    study4.restore(out, tmp_path / "archive")
+    rng = random.Random(5)
+    for run in plan.grid_runs(["3e-6"]):
+        write_run(out, run, *grid_run(0.148, [0.15, 0.16, 0.17]))
+    study4.write_table(out, page)
+    text = page.read_text()
+    assert "| grid-grpo-lr3e-6-s1 | 60 |" in text and "Tests so far" not in text
+    for split, settings in plan.TEST_SETTINGS.items():
+        for setting in settings:
+            write_samples(out, "grid-grpo-lr3e-6-s1", split, setting, 0.3, rng)
+    study4.write_table(out, page)
+    text = page.read_text()
+    [row] = [line for line in text.splitlines() if line.startswith("| grid-grpo-lr3e-6-s1 | 0.")]
+    assert row.count("(cut ") == 4 and "Verdict" not in text
+
+    for run in plan.grid_runs(["1e-6"]):
+        write_run(out, run, *grid_run(0.148, [0.15, 0.15, 0.15]))
+    made = study4.choices(out)
+    for run in plan.seed_runs(made["chosen_lr"]):  # CA-GRPO's at 3e-6; GRPO's are round 3's
+        if study3.finished(run, out) is None:
+            write_run(out, run, *grid_run(0.148, [0.15, 0.16, 0.17]))
+    made = study4.choices(out)
+    assert study4.every_lr_chosen(made)
+    for name in ["start"] + [r.name for r in plan.verdict_runs(made["chosen_lr"])]:
+        rate = 0.1 if name == "start" else 0.3 if "-grpo-" in name else 0.2
+        for split, settings in plan.TEST_SETTINGS.items():
+            for setting in settings:
+                write_samples(out, name, split, setting, rate, rng)
+    study4.write_table(out, page)
+    text = page.read_text()
+    assert text.count("(cut ") == 4 * (2 + len(plan.verdict_runs(made["chosen_lr"])))
+    assert "## test2, T0.7" in text and "missing" not in text
+    verdict_line = [line for line in text.splitlines() if line.startswith("Verdict (test2")]
+    assert len(verdict_line) == 1 and '"label": "contradicts the paper"' in verdict_line[0]
