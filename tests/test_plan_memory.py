@@ -172,7 +172,8 @@ def measure_learner(
     resident = live_tensor_bytes() - before
     peak, at_backward = profiled_step(learner, batch)
     used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
-    return dict(measured=resident + peak, saved=at_backward, width=used)
+    return dict(measured=resident + peak, resident=resident, peak=peak, saved=at_backward,
+                width=used)  # fmt: skip
 
 
 def _measure_and_send(connection, *args) -> None:
@@ -303,7 +304,10 @@ def check_estimate(
     summary = f"measured {measured['measured'] / mib:.1f} MiB, estimated {e.total / mib:.1f} MiB"
     case = f"{Path(policy).name} ZeRO-{stage} {dtype} checkpointing={checkpointing}"
     print(f"{case}: {summary} ({ratio:.3f})")
-    assert abs(ratio - 1) <= TOLERANCE, {c.name: c.bytes / mib for c in e.components}
+    # resident (live before the step) and peak (during it), to tell which of them went astray
+    parts = {part: round(measured[part] / mib, 1) for part in ("resident", "peak")}
+    components = {c.name: round(c.bytes / mib, 1) for c in e.components}
+    assert abs(ratio - 1) <= TOLERANCE, f"{summary}; measured {parts}; estimated {components}"
 
     s, rows, width = DTYPE_BYTES[dtype], GROUPS * GROUP_SIZE, measured["width"]
     kept = activation_bytes(shape, s, rows, width, checkpointing)

@@ -11,6 +11,7 @@ the sync timeout, rank 1 returns without gathering, and the next version arrives
 
 from __future__ import annotations
 
+import io
 import multiprocessing
 import threading
 
@@ -44,6 +45,19 @@ def _gathered(learner: Learner) -> dict[str, torch.Tensor]:
         return {name: param.detach().to("cpu", copy=True) for name, param in named}
 
 
+def _as_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """The tensors serialized by value: a tensor put on a multiprocessing queue as it is travels
+    as a shared-memory handle that the receiver can only open while the sender lives, and a
+    rank that exits before this slow process reads the queue would lose it."""
+    buffer = io.BytesIO()
+    torch.save(tensors, buffer)
+    return buffer.getvalue()
+
+
+def _from_bytes(payload: bytes) -> dict[str, torch.Tensor]:
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
 def _learner_rank(rank: int, port: int, path: str, lora: bool, replies, go_on) -> None:
     torch.set_num_threads(1)
     learner = Learner(
@@ -65,7 +79,7 @@ def _learner_rank(rank: int, port: int, path: str, lora: bool, replies, go_on) -
             replies.put((f"sent v{version}", results[version]))
             go_on.wait()
     expected = _gathered(learner)
-    replies.put((f"rank {rank}", (results, expected if rank == 0 else None)))
+    replies.put((f"rank {rank}", (results, _as_bytes(expected) if rank == 0 else None)))
     if learner.weight_sender is not None:
         learner.weight_sender.close()
 
@@ -129,7 +143,7 @@ def test_two_zero3_ranks_send_their_gathered_parameters_bit_for_bit(policy_path,
         assert kind == "sent v3" and "error" not in sent_v3, sent_v3
 
         finals = dict(replies.get(timeout=DEADLINE_S) for _ in range(2))
-        rank0_results, expected = finals["rank 0"]
+        rank0_results, expected = finals["rank 0"][0], _from_bytes(finals["rank 0"][1])
         rank1_results, _ = finals["rank 1"]
         assert rank1_results == {1: {}, 2: {}, 3: {}}  # rank 1 only took part in the gathers
         assert rank0_results[1] == sent_v1 and rank0_results[3] == sent_v3
