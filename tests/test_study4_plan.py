@@ -373,3 +373,75 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
     assert "## test2, T0.7" in text and "missing" not in text
     verdict_line = [line for line in text.splitlines() if line.startswith("Verdict (test2")]
     assert len(verdict_line) == 1 and '"label": "contradicts the paper"' in verdict_line[0]
+
+
+def finished_study(tmp_path: Path) -> Path:
+    """A run folder where every training run of the plan has finished (round 3's restored from
+    its archive) and no policy is left: what a new machine sees before the verdict's tests."""
+    out = tmp_path / "out"
+    out.mkdir()
+    study4.restore(out, tmp_path / "archive")
+    for run in plan.grid_runs(["3e-6"]):
+        write_run(out, run, *grid_run(0.148, [0.15, 0.16, 0.17]))
+    for run in plan.grid_runs(["1e-6"]):
+        write_run(out, run, *grid_run(0.148, [0.15, 0.15, 0.15]))
+    for run in plan.seed_runs(study4.choices(out)["chosen_lr"]):
+        if study3.finished(run, out) is None:
+            write_run(out, run, *grid_run(0.148, [0.15, 0.16, 0.17]))
+    return out
+
+
+def test_main_stops_declines_or_retrains_each_verdict_policy_and_always_leaves_the_page(
+    tmp_path, monkeypatch
+):
+    """`main`'s three ends once every run has trained: STOP starts nothing; a retrain that would
+    not end by --finish-by is declined after the start's tests, which reach the page; otherwise
+    each verdict policy is trained again and tested, and the page gets the verdict."""
+    out = finished_study(tmp_path)
+    page, archive = tmp_path / "runs.md", tmp_path / "archive"
+    rng, calls = random.Random(6), []
+
+    def fake_test(name, model, out, src, archive=None):
+        if study4.tested(name, out):
+            return
+        calls.append(("test", name, model))
+        rate = 0.1 if name == "start" else 0.3 if "-grpo-" in name else 0.2
+        for split, settings in plan.TEST_SETTINGS.items():
+            for setting in settings:
+                write_samples(out, name, split, setting, rate, rng)
+
+    def fake_retrain(run, out, commit, src, archive=None):
+        calls.append(("retrain", run.name))
+        policy = out / study3.RETRAIN / run.name / "policy"
+        policy.mkdir(parents=True)
+        return policy
+
+    monkeypatch.setattr(study4, "pinned_source", lambda out: ("0" * 40, tmp_path))
+    monkeypatch.setattr(study4, "execute", lambda *a, **k: pytest.fail("every run has trained"))
+    monkeypatch.setattr(study4, "test_policy", fake_test)
+    monkeypatch.setattr(study3, "retrain", fake_retrain)
+    monkeypatch.setattr(study3, "expected_s", lambda run, out: 2700.0)
+    monkeypatch.setattr(study3, "seconds_until", lambda clock: 600.0)
+    argv = ["--out", str(out), "--page", str(page), "--archive", str(archive)]
+
+    (out / "STOP").touch()
+    assert study4.main(argv) == 0 and calls == [] and not page.exists()
+    (out / "STOP").unlink()
+
+    assert study4.main([*argv, "--finish-by", "12:00"]) == 0
+    assert calls == [("test", "start", "smollm2-135m-instruct")]
+    text = page.read_text()
+    [start_row] = [line for line in text.splitlines() if line.startswith("| start | 0.")]
+    assert start_row.count("(cut ") == 4 and "Verdict" not in text
+
+    calls.clear()
+    assert study4.main(argv) == 0
+    names = [r.name for r in plan.verdict_runs(study4.choices(out)["chosen_lr"])]
+    assert len(names) == 6
+    assert calls == [
+        step
+        for name in names
+        for step in (("retrain", name), ("test", name, str(out / study3.RETRAIN / name / "policy")))
+    ]
+    verdict_line = [line for line in page.read_text().splitlines() if line.startswith("Verdict")]
+    assert len(verdict_line) == 1 and '"label": "contradicts the paper"' in verdict_line[0]
