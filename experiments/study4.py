@@ -18,8 +18,9 @@ with `reproduced.json` saying whether it matched the kept run step by step.
 As round 3: a finished run is skipped, a stopped one resumes from its newest checkpoint;
 `touch <out>/STOP` ends the study after the current run; `--finish-by HH:MM` (UTC) starts
 only what is expected to end by then; `--dry-run` prints the commands; `--aggregate-only`
-rewrites the table, `docs/results/evidence4/runs.md`. What outlives a machine goes to
-`docs/results/evidence4/kept/` (committed). Run it only when the machine is otherwise idle.
+rewrites the table, `docs/results/evidence4/runs.md` (`<out>/runs.md` for another `--out`).
+What outlives a machine goes to `docs/results/evidence4/kept/` (committed). Run it only when
+the machine is otherwise idle.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ EVIDENCE = REPO / "docs/results/evidence4"
 ARCHIVE = EVIDENCE / "kept"
 ROUND3_ARCHIVE = study3.ARCHIVE
 TEST2_FILE = EVIDENCE / "test2.jsonl"  # the second test split, fixed with the plan
+OUT = REPO / "runs/study4"  # the study's run folder, whose table is the committed page
 TESTS = "test4"  # the folder of round 4's test results (round 3's are in test/)
 
 
@@ -264,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=REPO / "runs/study4", help="Run folder.")
-    parser.add_argument("--page", type=Path, default=EVIDENCE / "runs.md")
+    parser.add_argument("--out", type=Path, default=OUT, help="Run folder.")
+    parser.add_argument(
+        "--page", type=Path,
+        help="The table: the committed one for the default --out, else <out>/runs.md.",
+    )  # fmt: skip
     parser.add_argument("--aggregate-only", action="store_true", help="Only rewrite the table.")
     parser.add_argument("--dry-run", action="store_true", help="Print the commands, run nothing.")
     parser.add_argument("--finish-by", metavar="HH:MM", help="Start no run expected to end later.")
@@ -273,9 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
+    page = args.page or (EVIDENCE / "runs.md" if out.resolve() == OUT else out / "runs.md")
     print(f"[study4] {restore(out, args.archive)} finished runs restored", flush=True)
     if args.aggregate_only:
-        write_table(out, args.page)
+        write_table(out, page)
         return 0
     if not TEST2_FILE.exists():
         raise SystemExit(f"{TEST2_FILE} is missing: it is fixed with the plan, not rebuilt")
@@ -289,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         for name in untested(out):
             test_policy(name, str(out / name / "policy"), out, src, args.archive)
-            write_table(out, args.page)
+            write_table(out, page)
         if not todo:
             break
         run = study3.next_run(todo, out, args.finish_by)
@@ -297,12 +303,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         execute(run, out, commit, src, argv=study3.train_command(run, out))
         if study3.finished(run, out) is None:
-            write_table(out, args.page)
+            write_table(out, page)
             print(f"[study4] {run.name} did not finish; rerun to resume it", flush=True)
             return 1
         study3.keep(out, run.name, args.archive)
         test_policy(run.name, str(out / run.name / "policy"), out, src, args.archive)
-        write_table(out, args.page)
+        write_table(out, page)
     if stop.exists():
         print(f"[study4] {stop} exists: no more runs started", flush=True)
         return 0
@@ -320,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             policy = study3.retrain(r, out, commit, src, args.archive)
         if policy.exists():
             test_policy(r.name, str(policy), out, src, args.archive)
-    write_table(out, args.page)
+    write_table(out, page)
     return 0
 
 

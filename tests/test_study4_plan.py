@@ -445,3 +445,14 @@ def test_main_stops_declines_or_retrains_each_verdict_policy_and_always_leaves_t
     ]
     verdict_line = [line for line in page.read_text().splitlines() if line.startswith("Verdict")]
     assert len(verdict_line) == 1 and '"label": "contradicts the paper"' in verdict_line[0]
+
+
+def test_the_table_of_another_run_folder_stays_in_it(tmp_path):
+    """Only the study's own run folder writes the committed page; another --out gets its own."""
+    committed = study4.EVIDENCE / "runs.md"
+    before = committed.read_bytes()
+    out = finished_study(tmp_path)
+    assert study4.main(["--out", str(out), "--archive", str(tmp_path / "kept"),
+                        "--aggregate-only"]) == 0  # fmt: skip
+    assert "| grid-cagrpo-lr1e-6-s1 | 60 |" in (out / "runs.md").read_text()
+    assert committed.read_bytes() == before
