@@ -224,6 +224,24 @@ def tests_so_far(out: Path, made: dict) -> list[str]:
     ]  # fmt: skip
 
 
+def rule_table(rules: list[dict]) -> list[str]:
+    """The rule on every split and setting, one row each: d = CA-GRPO minus GRPO in pass@1 per
+    seed (its paired standard error over prompts), the mean, the t-interval, the sign test."""
+    lines = ["## The rule on every split and setting (d = CA-GRPO minus GRPO, pass@1)", "",
+             "| split, setting | d per seed (paired SE) | mean d | 95% t-interval | sign p "
+             "| label |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for rule in rules:
+        pairs = zip(rule["d"], rule["paired_se"], strict=True)
+        seeds = ", ".join(f"{d:+.3f} ({se:.3f})" for d, se in pairs)
+        low, high = rule["t95"]
+        lines.append(
+            f"| {rule['split']}, {rule['setting']} | {seeds} | {rule['mean_d']:+.3f} | "
+            f"{low:+.3f} to {high:+.3f}{'' if rule['t95_excludes_0'] else ' (holds 0)'} | "
+            f"{rule['sign_test_p']:.3f} | {rule['label']} |"
+        )
+    return [*lines, ""]
+
+
 def write_table(out: Path, page: Path) -> None:
     """The runs so far, the rule's choices and, once the verdict's runs are all tested, each
     policy's test tables and the verdict on both splits."""
@@ -247,6 +265,7 @@ def write_table(out: Path, page: Path) -> None:
     primary = verdict(out, made)
     if primary is not None:
         names = ["start"] + [r.name for r in plan.verdict_runs(made["chosen_lr"])]
+        rules = []
         for split, settings in plan.TEST_SETTINGS.items():
             for setting in settings:
                 lines += [f"## {split}, {setting}", "", "| policy | table |", "|---|---|"]
@@ -254,8 +273,9 @@ def write_table(out: Path, page: Path) -> None:
                     kept = samples(out, name, split, setting)
                     table = plan.sample_table(kept) if kept else "missing"
                     lines.append(f"| {name} | `{json.dumps(table)}` |")
-                lines += ["", f"Rule on {split}, {setting}: `"
-                          + json.dumps(verdict(out, made, split, setting)) + "`", ""]  # fmt: skip
+                rules.append(verdict(out, made, split, setting))
+                lines += ["", f"Rule on {split}, {setting}: `" + json.dumps(rules[-1]) + "`", ""]
+        lines += rule_table(rules)
         lines += ["Verdict (test2, T=0.7): `" + json.dumps(primary) + "`"]
     page.parent.mkdir(parents=True, exist_ok=True)
     page.write_text("\n".join(lines) + "\n")

@@ -373,6 +373,19 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
     assert "## test2, T0.7" in text and "missing" not in text
     verdict_line = [line for line in text.splitlines() if line.startswith("Verdict (test2")]
     assert len(verdict_line) == 1 and '"label": "contradicts the paper"' in verdict_line[0]
+    primary = json.loads(verdict_line[0].split("`")[1])
+    rows = [line for line in text.splitlines() if line.startswith("| test")]
+    assert [row.split(" | ")[0] for row in rows] == [
+        f"| {split}, {setting}"
+        for split, settings in plan.TEST_SETTINGS.items()
+        for setting in settings
+    ]
+    [row] = [row for row in rows if row.startswith("| test2, T0.7 |")]
+    cells = row.split(" | ")
+    assert cells[1] == ", ".join(
+        f"{d:+.3f} ({se:.3f})" for d, se in zip(primary["d"], primary["paired_se"], strict=True)
+    )
+    assert cells[2] == f"{primary['mean_d']:+.3f}" and cells[-1] == "contradicts the paper |"
 
 
 def finished_study(tmp_path: Path) -> Path:
