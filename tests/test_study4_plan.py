@@ -334,6 +334,15 @@ def write_samples(out: Path, name: str, split: str, setting: str, rate: float, r
         handle.write("".join(json.dumps(s) + "\n" for s in kept))
 
 
+def write_every_test(out: Path, name: str, rng) -> None:
+    """Samples of policy `name` on every split and setting, correct at a rate of 0.1 for the
+    start, 0.3 for a GRPO policy and 0.2 for a CA-GRPO one (so that the rule contradicts)."""
+    rate = 0.1 if name == "start" else 0.3 if "-grpo-" in name else 0.2
+    for split, settings in plan.TEST_SETTINGS.items():
+        for setting in settings:
+            write_samples(out, name, split, setting, rate, rng)
+
+
 def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_end(tmp_path):
     """`write_table` through the whole study: the runs, then each policy's tests as they come,
     then (every verdict policy tested on both splits) the tables and the rule's label."""
@@ -346,9 +355,7 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
     study4.write_table(out, page)
     text = page.read_text()
     assert "| grid-grpo-lr3e-6-s1 | 60 |" in text and "Tests so far" not in text
-    for split, settings in plan.TEST_SETTINGS.items():
-        for setting in settings:
-            write_samples(out, "grid-grpo-lr3e-6-s1", split, setting, 0.3, rng)
+    write_every_test(out, "grid-grpo-lr3e-6-s1", rng)
     study4.write_table(out, page)
     text = page.read_text()
     [row] = [line for line in text.splitlines() if line.startswith("| grid-grpo-lr3e-6-s1 | 0.")]
@@ -363,10 +370,7 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
     made = study4.choices(out)
     assert study4.every_lr_chosen(made)
     for name in ["start"] + [r.name for r in plan.verdict_runs(made["chosen_lr"])]:
-        rate = 0.1 if name == "start" else 0.3 if "-grpo-" in name else 0.2
-        for split, settings in plan.TEST_SETTINGS.items():
-            for setting in settings:
-                write_samples(out, name, split, setting, rate, rng)
+        write_every_test(out, name, rng)
     study4.write_table(out, page)
     text = page.read_text()
     assert text.count("(cut ") == 4 * (2 + len(plan.verdict_runs(made["chosen_lr"])))
@@ -418,10 +422,7 @@ def test_main_stops_declines_or_retrains_each_verdict_policy_and_always_leaves_t
         if study4.tested(name, out):
             return
         calls.append(("test", name, model))
-        rate = 0.1 if name == "start" else 0.3 if "-grpo-" in name else 0.2
-        for split, settings in plan.TEST_SETTINGS.items():
-            for setting in settings:
-                write_samples(out, name, split, setting, rate, rng)
+        write_every_test(out, name, rng)
 
     def fake_retrain(run, out, commit, src, archive=None):
         calls.append(("retrain", run.name))
