@@ -34,6 +34,7 @@ from pathlib import Path
 
 import study3
 import study4_plan as plan
+import study4_plots
 from study import execute, pinned_source
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,6 +44,7 @@ ROUND3_ARCHIVE = study3.ARCHIVE
 TEST2_FILE = EVIDENCE / "test2.jsonl"  # the second test split, fixed with the plan
 OUT = REPO / "runs/study4"  # the study's run folder, whose table is the committed page
 TESTS = "test4"  # the folder of round 4's test results (round 3's are in test/)
+FIGURE = "tests.png"  # beside the page: every tested policy's pass@1 by lr
 
 
 def restore(out: Path, archive: Path = ARCHIVE, round3_archive: Path = ROUND3_ARCHIVE) -> int:
@@ -224,6 +226,31 @@ def tests_so_far(out: Path, made: dict) -> list[str]:
     ]  # fmt: skip
 
 
+def test_points(out: Path, made: dict) -> dict[tuple[str, str], list[dict]]:
+    """Every tested policy's pass@1 on each split and setting, for the figure: the starting
+    policy (method "start") and each run of the plan with its method, lr and seed."""
+    runs = {r.name: r for r in [*planned(out), *plan.verdict_runs(made.get("chosen_lr", {}))]}
+    points: dict[tuple[str, str], list[dict]] = {}
+    for split, settings in plan.TEST_SETTINGS.items():
+        for setting in settings:
+            rows = []
+            for name in ["start", *runs]:
+                kept = samples(out, name, split, setting)
+                if kept is None:
+                    continue
+                run = runs.get(name)
+                rows.append({
+                    "name": name,
+                    "method": run.method if run else "start",
+                    "lr": run.lr if run else None,
+                    "seed": run.seed if run else None,
+                    "pass@1": plan.sample_table(kept)["pass@1"],
+                })  # fmt: skip
+            if rows:
+                points[(split, setting)] = rows
+    return points
+
+
 def rule_table(rules: list[dict]) -> list[str]:
     """The rule on every split and setting, one row each: d = CA-GRPO minus GRPO in pass@1 per
     seed (its paired standard error over prompts), the mean, the t-interval, the sign test."""
@@ -262,6 +289,9 @@ def write_table(out: Path, page: Path) -> None:
         )
     lines += ["", "Choices: `" + json.dumps(made) + "`", ""]
     lines += tests_so_far(out, made)
+    if points := test_points(out, made):
+        study4_plots.draw(points, made.get("chosen_lr", {}), page.parent / FIGURE)
+        lines += [f"![every tested policy's pass@1 by lr, per split and setting]({FIGURE})", ""]
     primary = verdict(out, made)
     if primary is not None:
         names = ["start"] + [r.name for r in plan.verdict_runs(made["chosen_lr"])]

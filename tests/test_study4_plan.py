@@ -355,11 +355,13 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
     study4.write_table(out, page)
     text = page.read_text()
     assert "| grid-grpo-lr3e-6-s1 | 60 |" in text and "Tests so far" not in text
+    assert not (tmp_path / study4.FIGURE).exists()
     write_every_test(out, "grid-grpo-lr3e-6-s1", rng)
     study4.write_table(out, page)
     text = page.read_text()
     [row] = [line for line in text.splitlines() if line.startswith("| grid-grpo-lr3e-6-s1 | 0.")]
     assert row.count("(cut ") == 4 and "Verdict" not in text
+    assert (tmp_path / study4.FIGURE).stat().st_size > 0 and f"]({study4.FIGURE})" in text
 
     for run in plan.grid_runs(["1e-6"]):
         write_run(out, run, *grid_run(0.148, [0.15, 0.15, 0.15]))
@@ -390,6 +392,27 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
         f"{d:+.3f} ({se:.3f})" for d, se in zip(primary["d"], primary["paired_se"], strict=True)
     )
     assert cells[2] == f"{primary['mean_d']:+.3f}" and cells[-1] == "contradicts the paper |"
+
+    # The figure's points: every tested policy on every split and setting, its pass@1 the
+    # share of its samples judged correct (every prompt has the same number of samples).
+    points = study4.test_points(out, made)
+    assert list(points) == [(sp, st) for sp, sts in plan.TEST_SETTINGS.items() for st in sts]
+    tested = [
+        "start",
+        "grid-grpo-lr3e-6-s1",
+        *(r.name for r in plan.verdict_runs(made["chosen_lr"])),
+    ]
+    for (split, setting), rows in points.items():
+        assert sorted(row["name"] for row in rows) == sorted(dict.fromkeys(tested))
+        for row in rows:
+            kept = study4.samples(out, row["name"], split, setting)
+            assert row["pass@1"] == pytest.approx(sum(s["correct"] for s in kept) / len(kept))
+            run = next(
+                (r for r in plan.verdict_runs(made["chosen_lr"]) if r.name == row["name"]), None
+            )
+            if run is not None:
+                assert (row["method"], row["lr"], row["seed"]) == (run.method, run.lr, run.seed)
+        assert [row["method"] for row in rows if row["name"] == "start"] == ["start"]
 
 
 def finished_study(tmp_path: Path) -> Path:
