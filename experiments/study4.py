@@ -45,6 +45,8 @@ TEST2_FILE = EVIDENCE / "test2.jsonl"  # the second test split, fixed with the p
 OUT = REPO / "runs/study4"  # the study's run folder, whose table is the committed page
 TESTS = "test4"  # the folder of round 4's test results (round 3's are in test/)
 FIGURE = "tests.png"  # beside the page: every tested policy's pass@1 by lr
+COLUMNS = [(split, setting) for split, settings in plan.TEST_SETTINGS.items()
+           for setting in settings]  # fmt: skip
 
 
 def restore(out: Path, archive: Path = ARCHIVE, round3_archive: Path = ROUND3_ARCHIVE) -> int:
@@ -198,56 +200,62 @@ def verdict(out: Path, made: dict, split: str = plan.PRIMARY[0], setting: str = 
     return {**plan.verdict(d), "paired_se": se, "split": split, "setting": setting}
 
 
-def tests_so_far(out: Path, made: dict) -> list[str]:
-    """A row per policy with any test result: pass@1 and the share of responses cut at the
-    cap, per split and setting, as each result comes in."""
+def sample_tables(out: Path, made: dict) -> dict[str, dict[tuple[str, str], dict]]:
+    """Each tested policy's `sample_table` per split and setting, read once for the page: the
+    starting policy, then the plan's runs in order (the verdict's among them)."""
     names = ["start", *(r.name for r in planned(out))]
     names += [r.name for r in plan.verdict_runs(made.get("chosen_lr", {}))]
-    columns = [(split, setting) for split, settings in plan.TEST_SETTINGS.items()
-               for setting in settings]  # fmt: skip
-    rows = []
+    tables: dict[str, dict[tuple[str, str], dict]] = {}
     for name in dict.fromkeys(names):
-        cells = []
-        for split, setting in columns:
+        for split, setting in COLUMNS:
             kept = samples(out, name, split, setting)
-            if kept is None:
-                cells.append("")
-                continue
-            table = plan.sample_table(kept)
-            cells.append(f"{table['pass@1']:.3f} (cut {100 * table['truncated']:.1f}%)")
-        if any(cells):
-            rows.append(f"| {name} | " + " | ".join(cells) + " |")
+            if kept is not None:
+                tables.setdefault(name, {})[(split, setting)] = plan.sample_table(kept)
+    return tables
+
+
+def tests_so_far(tables: dict[str, dict[tuple[str, str], dict]]) -> list[str]:
+    """A row per policy with any test result (`sample_tables`): pass@1 and the share of
+    responses cut at the cap, per split and setting, as each result comes in."""
+    rows = []
+    for name, results in tables.items():
+        cells = [
+            f"{t['pass@1']:.3f} (cut {100 * t['truncated']:.1f}%)" if (t := results.get(c)) else ""
+            for c in COLUMNS
+        ]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
     if not rows:
         return []
-    head = " | ".join(f"{split} {setting}" for split, setting in columns)
+    head = " | ".join(f"{split} {setting}" for split, setting in COLUMNS)
     return [
         "## Tests so far: pass@1 (share of responses cut at the token cap)", "",
-        f"| policy | {head} |", "|---|" + "---|" * len(columns), *rows, "",
+        f"| policy | {head} |", "|---|" + "---|" * len(COLUMNS), *rows, "",
     ]  # fmt: skip
 
 
-def test_points(out: Path, made: dict) -> dict[tuple[str, str], list[dict]]:
-    """Every tested policy's pass@1 on each split and setting, for the figure: the starting
-    policy (method "start") and each run of the plan with its method, lr and seed."""
+def test_points(
+    out: Path, made: dict, tables: dict[str, dict[tuple[str, str], dict]]
+) -> dict[tuple[str, str], list[dict]]:
+    """Every tested policy's pass@1 (`sample_tables`) on each split and setting, for the
+    figure: the starting policy (method "start") and each run of the plan with its method, lr
+    and seed."""
     runs = {r.name: r for r in [*planned(out), *plan.verdict_runs(made.get("chosen_lr", {}))]}
     points: dict[tuple[str, str], list[dict]] = {}
-    for split, settings in plan.TEST_SETTINGS.items():
-        for setting in settings:
-            rows = []
-            for name in ["start", *runs]:
-                kept = samples(out, name, split, setting)
-                if kept is None:
-                    continue
-                run = runs.get(name)
-                rows.append({
-                    "name": name,
-                    "method": run.method if run else "start",
-                    "lr": run.lr if run else None,
-                    "seed": run.seed if run else None,
-                    "pass@1": plan.sample_table(kept)["pass@1"],
-                })  # fmt: skip
-            if rows:
-                points[(split, setting)] = rows
+    for column in COLUMNS:
+        rows = []
+        for name, results in tables.items():
+            if column not in results:
+                continue
+            run = runs.get(name)
+            rows.append({
+                "name": name,
+                "method": run.method if run else "start",
+                "lr": run.lr if run else None,
+                "seed": run.seed if run else None,
+                "pass@1": results[column]["pass@1"],
+            })  # fmt: skip
+        if rows:
+            points[column] = rows
     return points
 
 
@@ -288,8 +296,9 @@ def write_table(out: Path, page: Path) -> None:
             f"{summary['eval_before']['pass@1']:.3f} -> {curve} |"
         )
     lines += ["", "Choices: `" + json.dumps(made) + "`", ""]
-    lines += tests_so_far(out, made)
-    if points := test_points(out, made):
+    tables = sample_tables(out, made)
+    lines += tests_so_far(tables)
+    if points := test_points(out, made, tables):
         study4_plots.draw(points, made.get("chosen_lr", {}), page.parent / FIGURE)
         lines += [f"![every tested policy's pass@1 by lr, per split and setting]({FIGURE})", ""]
     primary = verdict(out, made)
@@ -300,8 +309,7 @@ def write_table(out: Path, page: Path) -> None:
             for setting in settings:
                 lines += [f"## {split}, {setting}", "", "| policy | table |", "|---|---|"]
                 for name in names:
-                    kept = samples(out, name, split, setting)
-                    table = plan.sample_table(kept) if kept else "missing"
+                    table = tables.get(name, {}).get((split, setting), "missing")
                     lines.append(f"| {name} | `{json.dumps(table)}` |")
                 rules.append(verdict(out, made, split, setting))
                 lines += ["", f"Rule on {split}, {setting}: `" + json.dumps(rules[-1]) + "`", ""]

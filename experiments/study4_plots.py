@@ -25,7 +25,7 @@ def draw(points: dict[tuple[str, str], list[dict]], chosen: dict[str, str], path
     for ax, ((split, setting), rows) in zip(axes.flat, points.items(), strict=False):
         for row in rows:
             if row["method"] == "start":
-                ax.axhline(row["pass@1"], color="0.4", ls="--", lw=1, label="start")
+                ax.axhline(row["pass@1"], color="0.4", ls="--", lw=1)
                 continue
             lr = float(row["lr"])
             x = lr * SPREAD ** (row["seed"] - 2)

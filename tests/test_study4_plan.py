@@ -395,7 +395,7 @@ def test_the_progress_page_shows_each_test_as_it_comes_and_the_verdict_at_the_en
 
     # The figure's points: every tested policy on every split and setting, its pass@1 the
     # share of its samples judged correct (every prompt has the same number of samples).
-    points = study4.test_points(out, made)
+    points = study4.test_points(out, made, study4.sample_tables(out, made))
     assert list(points) == [(sp, st) for sp, sts in plan.TEST_SETTINGS.items() for st in sts]
     tested = [
         "start",
