@@ -66,11 +66,16 @@ def pytest_collection_modifyitems(session, config, items):
     # (tests/warm_policies.py), from the CPU time that the tests before them leave idle. With
     # `--beside`, the tests that work on one thread for long (`early`) run first, while the
     # beside process and those builds have work for the other core.
+    # Within each of those, the modules on the session's shared Ray cluster (`shared_ray`) run
+    # one after another, so that it starts once for them, not once a module.
     two_processes = config.getoption("beside")
+    on_shared = {_module_of(item) for item in items if "shared_ray" in item.fixturenames}
+    _status["on_shared_ray"] = on_shared
     items.sort(
         key=lambda item: (
             item.get_closest_marker("preset") is not None,
             not (two_processes and item.get_closest_marker("early")),
+            _module_of(item) not in on_shared,
         )
     )
     if two_processes:
@@ -79,6 +84,10 @@ def pytest_collection_modifyitems(session, config, items):
             items[:] = [item for item in items if not item.get_closest_marker("beside")]
             config.hook.pytest_deselected(items=beside)
             _status["beside_ids"] = [item.nodeid for item in beside]
+
+
+def _module_of(item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 def pytest_addoption(parser):
@@ -362,3 +371,64 @@ def short_run(tmp_path_factory):
     from short_run import run_short
 
     return run_short(tmp_path_factory.mktemp("short_run"))
+
+
+SHARED_RAY_CPUS = 3  # the CPUs `cagrpo_ray.run` gives the local cluster of a run on 2 cores
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """The session's local Ray cluster, for the modules whose subject is not a cluster's own
+    start: 3 CPUs and each worker in a process group of its own, as `cagrpo_ray.run` starts
+    one. Started by the first module that asks and kept while the modules after it ask too
+    (`pytest_collection_modifyitems` runs them one after another); shut down before a test of
+    any other module (`pytest_runtest_teardown`), so that a test that starts a cluster of its
+    own, or `train()`'s, finds none. A module that leaves CPUs reserved (an actor or a
+    placement group it did not end) has the cluster shut down after it: the next module
+    starts on a clean one."""
+    import ray
+
+    from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
+
+    if not ray.is_initialized():
+        os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
+        ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False)
+        _status["shared_ray"] = True
+    yield
+    if not ray.is_initialized():
+        _status.pop("shared_ray", None)
+        return
+    deadline = time.monotonic() + 10  # a killed actor's CPUs come back within a few seconds
+    while ray.available_resources().get("CPU", 0) < SHARED_RAY_CPUS:
+        if time.monotonic() > deadline:
+            print(f"\n{ray.available_resources()} left after the module: a new cluster next")
+            _shutdown_shared_ray()
+            break
+        time.sleep(0.5)
+
+
+def _shutdown_shared_ray() -> None:
+    if _status.pop("shared_ray", False):
+        import ray
+
+        ray.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the item's fixtures are torn down
+    if not _status.get("shared_ray"):
+        return
+    if nextitem is None or _module_of(nextitem) not in _status.get("on_shared_ray", ()):
+        _shutdown_shared_ray()
+
+
+@pytest.fixture(scope="session")
+def train_reference(tmp_path_factory):
+    """tests/test_train.py's uninterrupted run with staleness bound 0 (30 steps of cpu-tiny,
+    GRPO, eager engines, 200 held-out prompts), once a session: test_train checks it and
+    resumes from it, tests/test_chaos.py compares its faulted run with it. Runs on the shared
+    cluster (`shared_ray`) of the module that asks first."""
+    from test_train import run_reference
+
+    return run_reference(0, tmp_path_factory)

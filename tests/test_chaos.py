@@ -2,11 +2,12 @@
 
 Two runs of `configs/cpu-tiny.yaml` (the chain_sum preset, 2 vLLM generator replicas, 2
 DeepSpeed learner ranks, staleness bound 0, GRPO, tests/test_train.py's settings) of STEPS
-steps: an uninterrupted reference, and a chaos run with a checkpoint every CHECKPOINT_EVERY
-steps (the reference's every 20: how often a run checkpoints changes no training metric,
-which the steps before the first fault check) under five faults. A `random.Random(seed)`
-(printed; `CAGRPO_CHAOS_SEED` sets it) draws the step of each inside its range
-(`FaultSchedule.draw`); a fault whose condition does not hold at its step strikes at the
+steps: an uninterrupted reference, which is tests/test_train.py's own bound-0 reference run
+(`train_reference`, once a session), and a chaos run with a checkpoint every CHECKPOINT_EVERY
+steps (the reference's every 20, and its held-out evaluation larger: neither changes a
+training metric, which the steps before the first fault check) under five faults. A
+`random.Random(seed)` (printed; `CAGRPO_CHAOS_SEED` sets it) draws the step of each inside its
+range (`FaultSchedule.draw`); a fault whose condition does not hold at its step strikes at the
 first step at which it does:
 
 1. verifier: a verifier worker of the reward pool is SIGKILLed while the learner trains (at
@@ -79,7 +80,6 @@ from test_train import DETERMINISTIC, overrides
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -388,22 +388,14 @@ def chaos_overrides(tmp_path, name: str, checkpoint_every: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")  # as cagrpo_ray.run starts its cluster
+def runs(tmp_path_factory, shared_ray, train_reference):
     # Ray's workers cannot import this test module: what runs in its actors travels by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     tmp_path = tmp_path_factory.mktemp("chaos")
     schedule = FaultSchedule.draw(SEED)
     print(f"\nchaos seed {SEED}: {schedule}")
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    ray.init(num_cpus=3, include_dashboard=False)
     try:
-        config = load_config("configs/cpu-tiny.yaml", chaos_overrides(tmp_path, "reference", 20))
-        reference = ChaosTrainer(config, schedule, faults=dict.fromkeys(FaultSchedule.RANGES))
-        started = time.monotonic()
-        reference.run()
-        print(f"the uninterrupted reference took {time.monotonic() - started:.0f} s")
-
         config = load_config("configs/cpu-tiny.yaml",
                              chaos_overrides(tmp_path, "chaos", CHECKPOINT_EVERY))  # fmt: skip
         faults: dict[str, Fault] = {}
@@ -414,11 +406,12 @@ def runs(tmp_path_factory):
         summary = resumed.run()
         seconds = time.monotonic() - started
     finally:
-        ray.shutdown()
         for sig, handler in handlers.items():  # the Trainer's: pytest's own again
             signal.signal(sig, handler)
     print_faults(faults, seconds)
-    return schedule, faults, reference, stopped, stopped_summary, resumed, summary, tmp_path
+    _, reference_dir, _, reference = train_reference
+    return (schedule, faults, reference, stopped, stopped_summary, resumed, summary, tmp_path,
+            reference_dir / "reference")  # fmt: skip
 
 
 def print_faults(faults: dict, seconds: float) -> None:
@@ -443,7 +436,7 @@ def trained(trainers) -> tuple[list, list]:
 
 
 def test_every_fault_happened_and_was_recovered(runs):
-    schedule, faults, _, stopped, stopped_summary, resumed, summary, tmp_path = runs
+    schedule, faults, _, stopped, stopped_summary, resumed, summary, tmp_path, _ = runs
     assert list(faults) == ["verifier", "learner", "generation", "sync", "sigterm"], faults
     for kind, fault in faults.items():
         assert fault.step >= getattr(schedule, kind), fault
@@ -476,11 +469,11 @@ def test_every_fault_happened_and_was_recovered(runs):
 
 
 def test_every_prompt_was_trained_exactly_once_in_order(runs):
-    *_, reference, stopped, _, resumed, _, tmp_path = runs
+    _, _, reference, stopped, _, resumed, _, tmp_path, _ = runs
     records = [r["step"] for r in read_metrics(tmp_path / "chaos" / "metrics.jsonl")]
     assert records == list(range(1, STEPS + 1))  # each step once
-    assert trained([stopped, resumed]) == trained([reference])
-    prompts, groups = trained([reference])
+    prompts, groups = reference.trained_prompts, reference.trained_groups
+    assert trained([stopped, resumed]) == (prompts, groups)
     assert groups == list(range(STEPS * PROMPTS))
     assert prompts == [stopped.train_source[i].uid for i in range(STEPS * PROMPTS)]
 
@@ -495,9 +488,9 @@ def test_the_metrics_equal_the_uninterrupted_runs(runs):
     broadcast would still be loading (tests/test_train.py says the same of its killed
     replica). What is trained is the same: the groups and prompts are compared above, and the
     cursor is equal again at the next step and at the end."""
-    _, faults, _, stopped, _, resumed, _, tmp_path = runs
+    _, faults, _, stopped, _, resumed, _, tmp_path, reference_dir = runs
     chaos = {r["step"]: r for r in read_metrics(tmp_path / "chaos" / "metrics.jsonl")}
-    reference = {r["step"]: r for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")}
+    reference = {r["step"]: r for r in read_metrics(reference_dir / "metrics.jsonl")}
     resynced = {faults[kind].recovered_step for kind in ("generation", "sync")}
     logged = stopped.logged + resumed.logged  # every step as logged: one trained twice, twice
     assert len(logged) == STEPS + faults["learner"].steps_lost

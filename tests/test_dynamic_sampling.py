@@ -5,7 +5,6 @@ clear error after its bound instead of generating forever."""
 from __future__ import annotations
 
 import pytest
-import ray
 from short_run import PROMPTS, STEPS
 
 from cagrpo_ray.config import load_config
@@ -32,13 +31,6 @@ def overrides(tmp_path, name, *extra):
     ]
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 def test_no_batch_holds_a_group_without_signal(short_run):
     """The session's short run (tests/short_run.py) has dynamic sampling on."""
     assert short_run.returncode == 0, short_run.console[-4000:]
@@ -50,7 +42,7 @@ def test_no_batch_holds_a_group_without_signal(short_run):
     assert all(r["dynamic_sampling/scored_groups"] >= PROMPTS for r in records)
 
 
-def test_a_task_without_signal_stops_at_the_bound(local_ray, tmp_path):
+def test_a_task_without_signal_stops_at_the_bound(shared_ray, tmp_path):
     # the format reward alone: (nearly) every response is well-formed, so groups tie
     config = load_config(
         "configs/cpu-tiny.yaml",

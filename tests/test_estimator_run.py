@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import pytest
-import ray
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.inspect.records import read_step
@@ -41,15 +40,8 @@ def reinforce_pp(rewards: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return (centred - per_token.mean()) / max(per_token.var(), 1e-8) ** 0.5
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
-def test_an_estimator_trains_on_its_own_advantages(local_ray, tmp_path, estimator):
+def test_an_estimator_trains_on_its_own_advantages(shared_ray, tmp_path, estimator):
     config = load_config(
         "configs/cpu-tiny.yaml",
         [

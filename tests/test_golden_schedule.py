@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import ray
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "golden"))
@@ -79,12 +78,8 @@ def golden():
 
 
 @pytest.fixture(scope="module")
-def rerun(golden, tmp_path_factory):
-    ray.init(num_cpus=3, include_dashboard=False)
-    try:
-        return record(tmp_path_factory.mktemp("golden"), run_one)
-    finally:
-        ray.shutdown()
+def rerun(golden, shared_ray, tmp_path_factory):
+    return record(tmp_path_factory.mktemp("golden"), run_one)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -29,7 +29,6 @@ from test_train import DETERMINISTIC, running
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
@@ -106,17 +105,12 @@ class KillingTrainer(Trainer):
 
 
 @pytest.fixture(scope="module")
-def recovered_run(tmp_path_factory):
-    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")  # as cagrpo_ray.run starts its cluster
+def recovered_run(tmp_path_factory, shared_ray):
     tmp_path = tmp_path_factory.mktemp("recovery")
-    ray.init(num_cpus=3, include_dashboard=False)
-    try:
-        trainer = KillingTrainer(load_config("configs/cpu-tiny.yaml", overrides(tmp_path)), KILL_IN)
-        started = time.monotonic()
-        summary = trainer.run()
-        seconds = time.monotonic() - started
-    finally:
-        ray.shutdown()
+    trainer = KillingTrainer(load_config("configs/cpu-tiny.yaml", overrides(tmp_path)), KILL_IN)
+    started = time.monotonic()
+    summary = trainer.run()
+    seconds = time.monotonic() - started
     fault = trainer.fault
     print(
         f"\nfault: learner rank 1 SIGKILLed while training step {fault['step']}; recovered "

@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file
 
@@ -26,14 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.preset]
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-def test_a_lora_run_syncs_only_the_adapter_and_exports_both_forms(local_ray, tmp_path):
+def test_a_lora_run_syncs_only_the_adapter_and_exports_both_forms(shared_ray, tmp_path):
     config = load_config(
         "configs/cpu-tiny.yaml",
         [

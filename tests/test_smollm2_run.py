@@ -79,7 +79,7 @@ class DigestTrainer(Trainer):
 
 
 @pytest.fixture(scope="module")
-def smollm2_run(tmp_path_factory, smollm2_dir):
+def smollm2_run(tmp_path_factory, smollm2_dir, shared_ray):
     out = tmp_path_factory.mktemp("smollm2")
     run_dir = out / "smol"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -103,12 +103,8 @@ def smollm2_run(tmp_path_factory, smollm2_dir):
         "summary": json.loads((run_dir / "summary.json").read_text()),
         "checkpoints": sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")),
     }
-    ray.init(num_cpus=3, include_dashboard=False)
-    try:
-        trainer = DigestTrainer(load_config(CONFIG, overrides(out)), resume=True)
-        summary = trainer.run()
-    finally:
-        ray.shutdown()
+    trainer = DigestTrainer(load_config(CONFIG, overrides(out)), resume=True)
+    summary = trainer.run()
     return run_dir, part1, summary, trainer
 
 

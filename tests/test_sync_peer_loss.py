@@ -34,7 +34,6 @@ from cagrpo_ray.policies import random_policy
 from cagrpo_ray.rollout.engines import cpu_engine_env
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 from cagrpo_ray.types import SamplingConfig
 
@@ -110,13 +109,9 @@ class Learners:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")  # as cagrpo_ray.run starts its cluster
+def local_ray(shared_ray):
     # Ray's workers cannot import this test module: its actor class travels by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,9 @@ One run of 4 steps, then a second run that resumes from its step-2 checkpoint to
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
-import ray
 from test_train import RecordingTrainer, resume_from
 from transformers import AutoTokenizer
 
@@ -32,7 +30,6 @@ from cagrpo_ray.config import load_config
 from cagrpo_ray.env import ToolEnvironment
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import PRESETS, ensure_policy
-from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -90,20 +87,15 @@ class TableTrainer(RecordingTrainer):
 
 
 @pytest.fixture(scope="module")
-def tools_runs(tmp_path_factory):
+def tools_runs(tmp_path_factory, shared_ray):
     policy = tools_policy()
-    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
-    ray.init(num_cpus=3, include_dashboard=False)
-    try:
-        tmp_path = tmp_path_factory.mktemp("tools")
-        first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first", policy)))
-        first_summary = first.run()
-        resume_from(tmp_path / "first", tmp_path / "resumed", RESUME_AT)
-        config = load_config(CONFIG, overrides(tmp_path, "resumed", policy))
-        resumed = TableTrainer(config, resume=True)
-        resumed_summary = resumed.run()
-    finally:
-        ray.shutdown()
+    tmp_path = tmp_path_factory.mktemp("tools")
+    first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first", policy)))
+    first_summary = first.run()
+    resume_from(tmp_path / "first", tmp_path / "resumed", RESUME_AT)
+    config = load_config(CONFIG, overrides(tmp_path, "resumed", policy))
+    resumed = TableTrainer(config, resume=True)
+    resumed_summary = resumed.run()
     return tmp_path, (first, first_summary), (resumed, resumed_summary)
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,6 @@ from transformers import AutoModelForCausalLM
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import resolve_policy
-from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
 from cagrpo_ray.schedule import admissible_groups
 from cagrpo_ray.trainer import Trainer
 
@@ -135,22 +133,21 @@ class RecordingTrainer(Trainer):
         super().close()
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")  # as cagrpo_ray.run starts its cluster
-    ray.init(num_cpus=3, include_dashboard=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module", params=[0, 1], ids=["bound0", "bound1"])
-def reference_run(request, local_ray, tmp_path_factory):
-    staleness = request.param
+def run_reference(staleness: int, tmp_path_factory):
+    """The uninterrupted run of `staleness`'s config (Ray must be up): (staleness, its folder,
+    its summary, its RecordingTrainer); the run directory is `<folder>/reference`."""
     tmp_path = tmp_path_factory.mktemp(f"train{staleness}")
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "reference", staleness))
     trainer = RecordingTrainer(config)
     summary = trainer.run()
     return staleness, tmp_path, summary, trainer
+
+
+@pytest.fixture(scope="module", params=[0, 1], ids=["bound0", "bound1"])
+def reference_run(request, shared_ray, tmp_path_factory):
+    if request.param == 0:  # the session's, which tests/test_chaos.py compares against too
+        return request.getfixturevalue("train_reference")
+    return run_reference(request.param, tmp_path_factory)
 
 
 def resume_from(run_dir, resumed_dir, step: int) -> None:

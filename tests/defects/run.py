@@ -101,7 +101,7 @@ def copy_tree(dest: Path) -> None:
         shutil.copy2(source, target)
 
 
-FAILED = re.compile(r"^(?:FAILED|ERROR) (\S+)", re.MULTILINE)
+FAILED = re.compile(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", re.MULTILINE)
 
 
 def check(defect: Defect, python: str, scratch_root: Path, run_all: bool, log_dir: Path) -> Outcome:
