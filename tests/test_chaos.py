@@ -15,9 +15,11 @@ first step at which it does:
    and that job is scored by the new worker. (Killed while scoring, its job would score 0
    with an error, by design: a job that kills its worker is not retried, `rewards/pool.py`;
    that step's rewards would then differ from the reference's.)
-2. learner: learner rank 1's process is SIGKILLed while it trains
-   (tests/test_learner_recovery.py's `KillingTrainer`); the run rebuilds the learner group
-   from the latest checkpoint and trains the steps since it again;
+2. learner: learner rank 1's process is SIGKILLed while it trains (`KillingTrainer`); the
+   run stops both ranks (rank 0 would otherwise wait in a collective), builds a new learner
+   group from the latest checkpoint, rewinds the schedule to it, gives the generators, which
+   stay up, the checkpoint's weights through a new sync group, and trains the steps since it
+   again, metric for metric as the first time;
 3. generation: a replica is SIGKILLed while it generates a step's rollouts (once another
    replica's chunk of that step has come back and its own is still running); its chunk is
    requeued and generated on the live replica, and Ray restarts it, which rejoins the sync
@@ -75,11 +77,11 @@ import time
 import psutil
 import pytest
 import ray
-from test_learner_recovery import KillingTrainer
 from test_train import DETERMINISTIC, overrides
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.metrics.jsonl import read_metrics
+from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -173,6 +175,56 @@ def _kill_during_next_send(learner, pid: int, after_tensors: int) -> None:
             yield item
 
     learner.iter_sync_weights = killing
+
+
+class KillingTrainer(Trainer):
+    """A Trainer that SIGKILLs learner rank 1's process right after learner step `kill_in`
+    was submitted, and records every step it logs, the fault, and the generators' state when
+    the run ends."""
+
+    def __init__(self, config, kill_in: int):
+        super().__init__(config)
+        self.kill_in = kill_in
+        self.logged: list[dict] = []  # each step's metrics as logged, repeated steps too
+        self.fault: dict = {}
+        self.at_close: dict = {}
+
+    def setup(self):
+        super().setup()
+        group = self.learners
+        submit = group.submit_train_step
+
+        def submit_then_kill(*args, **kwargs):
+            if self.fault or self.step + 1 != self.kill_in:
+                return submit(*args, **kwargs)
+            pids = ray.get([a.apply.remote(lambda learner: os.getpid()) for a in group.actors])
+            refs = submit(*args, **kwargs)
+            os.kill(pids[1], signal.SIGKILL)
+            self.fault.update(step=self.step + 1, at=time.monotonic())
+            self.fault["ranks"] = [psutil.Process(pid) for pid in pids]
+            return refs
+
+        group.submit_train_step = submit_then_kill
+
+    def _recover_learners(self, lost):
+        self.fault.update(error=lost, failed_at=self.step)
+        super()._recover_learners(lost)
+        self.fault.update(recovered_at=time.monotonic(), resumed_from=self.step)
+
+    def _log_step(self, metrics):
+        super()._log_step(metrics)
+        self.logged.append({"step": self.step, **metrics})
+
+    def close(self):
+        if self.pool is not None and self.scheduler is not None:
+            self.at_close["generator_restarts"] = self.pool.restarts
+            self.at_close["versions"] = ray.get(
+                [g.policy_version.remote() for g in self.pool.actors]
+            )
+            self.at_close["exported_restarts"] = self.exporter.registry.get_sample_value(
+                "cagrpo_learner_restarts_total", {"run": self.config.run.name}
+            )
+        super().close()
 
 
 class ChaosTrainer(KillingTrainer):
@@ -452,6 +504,9 @@ def test_every_fault_happened_and_was_recovered(runs):
     records = {r["step"]: r for r in read_metrics(tmp_path / "chaos" / "metrics.jsonl")}
     learner, generation, sync = faults["learner"], faults["generation"], faults["sync"]
     assert learner.steps_lost >= 1 and stopped.fault["resumed_from"] == CHECKPOINT_EVERY
+    error = stopped.fault["error"]
+    assert error.lost and error.rank == 1, error  # named the killed rank, not the survivor
+    assert stopped.at_close["exported_restarts"] == 1.0  # Prometheus counts the recovery
     stopped_at = faults["sigterm"].step
     for step, r in records.items():
         assert r["reward/verifier_errors"] == 0, step  # the killed worker's job was rescored
@@ -494,6 +549,15 @@ def test_the_metrics_equal_the_uninterrupted_runs(runs):
     resynced = {faults[kind].recovered_step for kind in ("generation", "sync")}
     logged = stopped.logged + resumed.logged  # every step as logged: one trained twice, twice
     assert len(logged) == STEPS + faults["learner"].steps_lost
+    # up to the learner's loss the run is an uninterrupted one; after it the steps since the
+    # checkpoint are trained again, then the run goes on (and on in the resumed job)
+    killed_in = faults["learner"].step
+    repeated = range(CHECKPOINT_EVERY + 1, killed_in)
+    assert [r["step"] for r in logged] == [*range(1, killed_in), *repeated,
+                                           *range(killed_in, STEPS + 1)]  # fmt: skip
+    first = killed_in - 1  # the steps logged before the loss
+    assert all(r["learner/restarts"] == 0 for r in logged[:first])
+    assert all(r["learner/restarts"] == 1 for r in logged[first : first + len(repeated)])
     differ = {}
     for record in [*logged, *chaos.values()]:
         step = record["step"]

@@ -1,7 +1,7 @@
 """When a lost learner rank is recovered inside the run and when the run stops instead
 (`cagrpo_ray/learner/restarts.py`), the config key that bounds it, the counter the run
 reports, and the exit status and message of a run that ran out of recoveries.
-tests/test_learner_recovery.py kills a real learner rank mid-run."""
+tests/test_chaos.py kills a real learner rank mid-run."""
 
 from __future__ import annotations
 
