@@ -388,12 +388,7 @@ def shared_ray():
     starts on a clean one."""
     import ray
 
-    from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
-
-    if not ray.is_initialized():
-        os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
-        ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False)
-        _status["shared_ray"] = True
+    _start_shared_ray()
     yield
     if not ray.is_initialized():
         _status.pop("shared_ray", None)
@@ -405,6 +400,19 @@ def shared_ray():
             _shutdown_shared_ray()
             break
         time.sleep(0.5)
+
+
+def _start_shared_ray() -> None:
+    """The shared cluster, started unless it is up. (A session fixture that needs it calls
+    this itself: pytest sets up a session fixture before the module's `shared_ray`.)"""
+    import ray
+
+    from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
+
+    if not ray.is_initialized():
+        os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")
+        ray.init(num_cpus=SHARED_RAY_CPUS, include_dashboard=False)
+        _status["shared_ray"] = True
 
 
 def _shutdown_shared_ray() -> None:
@@ -427,8 +435,10 @@ def pytest_runtest_teardown(item, nextitem):
 def train_reference(tmp_path_factory):
     """tests/test_train.py's uninterrupted run with staleness bound 0 (30 steps of cpu-tiny,
     GRPO, eager engines, 200 held-out prompts), once a session: test_train checks it and
-    resumes from it, tests/test_chaos.py compares its faulted run with it. Runs on the shared
-    cluster (`shared_ray`) of the module that asks first."""
+    resumes from it, tests/test_chaos.py compares its faulted run with it. It starts the
+    shared cluster if that is not up yet: only a module that asks for `shared_ray` too may ask
+    for it."""
     from test_train import run_reference
 
+    _start_shared_ray()
     return run_reference(0, tmp_path_factory)
