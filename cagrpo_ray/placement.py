@@ -101,12 +101,13 @@ def check_fits(bundles: list[Bundle], nodes: list[dict[str, float]]) -> None:
 
 class Placement:
     """The run's placement groups; `generator(replica)` and `learner(rank)` are the Ray actor
-    options that put each actor in its bundle. `remove()` releases them."""
+    options that put each actor in its bundle. `remove()` releases them. With `generators`
+    False only the learners are placed (the run was given replicas already up in groups of
+    their own: `rollout/kept.py`)."""
 
-    def __init__(self, config, timeout_s: float = 600.0):
-        self.generator_bundles = [
-            generator_bundle(config, i) for i in range(config.rollout.num_generators)
-        ]
+    def __init__(self, config, timeout_s: float = 600.0, generators: bool = True):
+        replicas = config.rollout.num_generators if generators else 0
+        self.generator_bundles = [generator_bundle(config, i) for i in range(replicas)]
         self.learner_bundles = [
             learner_bundle(config, i) for i in range(config.learner.num_learners)
         ]
@@ -159,6 +160,11 @@ class Placement:
                 self._learner_group, placement_group_bundle_index=rank
             ),
         )
+
+    def hand_over_generators(self) -> list:
+        """The generators' placement groups, which `remove()` then leaves in place."""
+        groups, self._generator_groups = self._generator_groups, []
+        return groups
 
     def remove(self) -> None:
         for group in [*self._generator_groups, self._learner_group]:

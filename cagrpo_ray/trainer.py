@@ -45,6 +45,7 @@ from cagrpo_ray.metrics.trackers import Trackers
 from cagrpo_ray.placement import Placement
 from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
+from cagrpo_ray.rollout.kept import KeptGenerators, replica_key
 from cagrpo_ray.rollout.pool import GeneratorPool
 from cagrpo_ray.scheduler import Scheduler, sampling_config
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
@@ -83,10 +84,17 @@ def check_plan(config: Config) -> None:
 
 
 class Trainer:
-    """Runs one training job described by `config`; `run()` returns the final summary."""
+    """Runs one training job described by `config`; `run()` returns the final summary.
 
-    def __init__(self, config: Config, resume: bool = False):
+    `kept_generators` (a `KeptGenerators`): the generator replicas are taken from it when it
+    holds replicas started as this run would start them, and else started and left in it
+    when the run ends, for the next run to take (`rollout/kept.py`); its owner ends them."""
+
+    def __init__(
+        self, config: Config, resume: bool = False, kept_generators: KeptGenerators | None = None
+    ):
         self.config = config
+        self.kept_generators = kept_generators
         self.run_dir = Path(config.run.output_dir) / config.run.name
         self.ckpt_root = self.run_dir / "checkpoints"
         self.log_dir = log_dir(self.run_dir)  # each actor's output: generator-0.log, ...
@@ -152,20 +160,31 @@ class Trainer:
         # Memory and layout are checked, then every actor's GPUs and CPUs are reserved (or the
         # layout refused), before any actor starts.
         check_plan(cfg)
-        self.placement = Placement(cfg, timeout_s=cfg.run.placement_timeout_s)
-        generators = [
-            GeneratorActor.options(
-                **self.placement.generator(replica),
-                runtime_env={"env_vars": self._generator_env(replica)},
-            ).remote(
-                replica,
-                cfg.rollout.engine,
-                self.model_path,
-                engine_options(cfg, replica),
-                environment_options(cfg),
-            )
-            for replica in range(cfg.rollout.num_generators)
-        ]
+        kept, replicas = self.kept_generators, range(cfg.rollout.num_generators)
+        key = replica_key(cfg, self.model_path, [self._cpu_env(r) for r in replicas])
+        reuse = kept is not None and kept.fits(key)
+        if kept is not None and not reuse:
+            kept.close()  # replicas started otherwise: their CPUs and GPUs go to this run's
+        self.placement = Placement(cfg, timeout_s=cfg.run.placement_timeout_s, generators=not reuse)
+        if reuse:
+            generators = list(kept.actors)
+            log.info("%d generator replicas kept up from the run before", len(generators))
+        else:
+            generators = [
+                GeneratorActor.options(
+                    **self.placement.generator(replica),
+                    runtime_env={"env_vars": self._generator_env(replica)},
+                ).remote(
+                    replica,
+                    cfg.rollout.engine,
+                    self.model_path,
+                    engine_options(cfg, replica),
+                    environment_options(cfg),
+                )
+                for replica in replicas
+            ]
+            if kept is not None:
+                kept.hold(generators, self.placement.hand_over_generators(), key)
         self.pool = GeneratorPool(
             generators,
             cfg.rollout.chunk_prompts,
@@ -282,9 +301,13 @@ class Trainer:
 
     def _generator_env(self, replica: int) -> dict:
         env = {"VLLM_LOGGING_LEVEL": "INFO", **actor_env(self.log_dir, f"generator-{replica}")}
-        if self.config.rollout.num_gpus_per_generator == 0:
-            env.update(cpu_engine_env(self.config.rollout, replica, os.cpu_count() or 1))
-        return env
+        return {**env, **self._cpu_env(replica)}
+
+    def _cpu_env(self, replica: int) -> dict:
+        """The environment of CPU replica `replica` (its OpenMP threads' cores); {} on GPUs."""
+        if self.config.rollout.num_gpus_per_generator > 0:
+            return {}
+        return cpu_engine_env(self.config.rollout, replica, os.cpu_count() or 1)
 
     # --------------------------------------------------------------------- the run
 
@@ -392,7 +415,8 @@ class Trainer:
         log.info("step %d/%d %s", self.step, cfg.run.steps, _progress_line(metrics))
 
     def close(self) -> None:
-        """Stop the exporter and the run's actors (the Ray cluster itself stays up)."""
+        """Stop the exporter and the run's actors (the Ray cluster itself stays up), but for
+        generator replicas that `kept_generators` holds."""
         if self.exporter is not None:
             self.exporter.close()
             self.exporter = None
@@ -402,7 +426,8 @@ class Trainer:
             self.inspector = None
         if self.learners is not None:
             self.learners.shutdown()
-        actors = list(self.pool.actors) if self.pool is not None else []
+        kept = self.kept_generators
+        actors = list(self.pool.actors) if self.pool is not None and kept is None else []
         for actor in [*actors, self.reward_pool]:
             if actor is not None:
                 ray.kill(actor, no_restart=True)

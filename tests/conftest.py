@@ -402,6 +402,20 @@ def shared_ray():
         time.sleep(0.5)
 
 
+@pytest.fixture(scope="module")
+def kept_generators(shared_ray):
+    """A `KeptGenerators` for the module's runs on the shared cluster: pass it to each
+    `Trainer`, and the runs whose configs start their replicas alike share one set (started by
+    the first, ended after the module). `train_reference` takes it too when the module that
+    first asks for that run holds one."""
+    from cagrpo_ray.rollout.kept import KeptGenerators
+
+    kept = _status["kept_generators"] = KeptGenerators()
+    yield kept
+    _status.pop("kept_generators", None)
+    kept.close()
+
+
 def _start_shared_ray() -> None:
     """The shared cluster, started unless it is up. (A session fixture that needs it calls
     this itself: pytest sets up a session fixture before the module's `shared_ray`.)"""
@@ -441,4 +455,4 @@ def train_reference(tmp_path_factory):
     from test_train import run_reference
 
     _start_shared_ray()
-    return run_reference(0, tmp_path_factory)
+    return run_reference(0, tmp_path_factory, _status.get("kept_generators"))

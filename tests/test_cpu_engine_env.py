@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -32,3 +33,31 @@ def test_cpu_replicas_share_out_the_cores(cores, replicas, tp):
         assert len(cores_of(workers[0])) == cores // (replicas * tp)
     else:  # one core each, round robin over all of them
         assert [cores_of(w) for w in workers] == [[k % cores] for k in range(replicas * tp)]
+
+
+@pytest.mark.parametrize(
+    "bind, user, want",
+    [
+        ("1", None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
+                     "OMP_PLACES": "{1}", "OMP_PROC_BIND": "true"}),
+        ("0-1", None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2",
+                       "OMP_PLACES": "{0,1}", "OMP_PROC_BIND": "true"}),
+        ("auto", None, {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}),  # vLLM's own threads
+        ("0-1", "1", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),  # the user's worker process
+    ],
+)  # fmt: skip
+def test_a_one_worker_replica_binds_its_engine_core_as_vllm_binds_a_worker(
+    monkeypatch, bind, user, want
+):
+    from cagrpo_ray.rollout.vllm_engine import one_process_cpu_worker
+
+    names = ["VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND"]
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")  # as Ray sets it in an actor: replaced
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
+    if user is not None:
+        monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", user)
+    one_process_cpu_worker()
+    got = {name: os.environ[name] for name in names if name in os.environ}
+    assert got == {"OMP_NUM_THREADS": "7", **want}

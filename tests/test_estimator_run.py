@@ -41,7 +41,7 @@ def reinforce_pp(rewards: np.ndarray, tokens: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
-def test_an_estimator_trains_on_its_own_advantages(shared_ray, tmp_path, estimator):
+def test_an_estimator_trains_on_its_own_advantages(kept_generators, tmp_path, estimator):
     config = load_config(
         "configs/cpu-tiny.yaml",
         [
@@ -65,7 +65,7 @@ def test_an_estimator_trains_on_its_own_advantages(shared_ray, tmp_path, estimat
             "metrics.inspect_port=null",
         ],
     )
-    trainer = Trainer(config)
+    trainer = Trainer(config, kept_generators=kept_generators)  # both runs on one replica
     trainer.run()
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))

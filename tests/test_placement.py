@@ -10,6 +10,7 @@ for the actors that get them; `ray.cluster_utils.Cluster` runs several such node
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -116,3 +117,36 @@ def test_first_fit_names_what_does_not_fit():
     with pytest.raises(PlacementError, match="learner 0 needs 8 GPUs on one node"):
         check_fits([Bundle("learner 0", 1, 8)], nodes)
     check_fits([Bundle("generator 0", 0.5, 0), Bundle("learner 0", 0.5, 0)], [{"CPU": 2}])
+
+
+@pytest.mark.integration
+def test_kept_replicas_keep_their_groups_and_the_next_run_places_only_its_learners(two_nodes):
+    from cagrpo_ray.rollout.kept import KeptGenerators
+
+    config = load_config(RECIPE_7B)  # generators and learners fill both nodes' 16 GPUs
+    n = config.rollout.num_generators
+    first = Placement(config, timeout_s=120)
+    kept = KeptGenerators()
+    replicas = [StandIn.options(**first.generator(i)).remote() for i in range(n)]
+    kept.hold(replicas, first.hand_over_generators(), "started alike")
+    first.remove()  # the learners' group alone: the replicas stay, in theirs
+    held = ray.get([a.where.remote() for a in replicas])
+    assert kept.fits("started alike") and not kept.fits("started otherwise")
+
+    second = Placement(config, timeout_s=120, generators=False)
+    assert second.generator_bundles == []
+    ranks = [
+        StandIn.options(**second.learner(i)).remote() for i in range(len(second.learner_bundles))
+    ]
+    placed = ray.get([a.where.remote() for a in ranks])
+    assert_exclusive(held + placed)  # the second run's ranks on the GPUs the first one freed
+    assert len(held + placed) == 16
+    for actor in ranks:
+        ray.kill(actor)
+    second.remove()
+    kept.close()
+    assert kept.actors == [] and not kept.fits("started alike")
+    deadline = time.monotonic() + 30  # every GPU back once the replicas' groups are removed
+    while ray.available_resources().get("GPU", 0) < 16:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.5)

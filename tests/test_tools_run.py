@@ -87,14 +87,15 @@ class TableTrainer(RecordingTrainer):
 
 
 @pytest.fixture(scope="module")
-def tools_runs(tmp_path_factory, shared_ray):
+def tools_runs(tmp_path_factory, shared_ray, kept_generators):
     policy = tools_policy()
     tmp_path = tmp_path_factory.mktemp("tools")
-    first = TableTrainer(load_config(CONFIG, overrides(tmp_path, "first", policy)))
+    config = load_config(CONFIG, overrides(tmp_path, "first", policy))
+    first = TableTrainer(config, kept=kept_generators)
     first_summary = first.run()
     resume_from(tmp_path / "first", tmp_path / "resumed", RESUME_AT)
     config = load_config(CONFIG, overrides(tmp_path, "resumed", policy))
-    resumed = TableTrainer(config, resume=True)
+    resumed = TableTrainer(config, resume=True, kept=kept_generators)  # the first's replicas
     resumed_summary = resumed.run()
     return tmp_path, (first, first_summary), (resumed, resumed_summary)
 

@@ -86,8 +86,8 @@ class RecordingTrainer(Trainer):
     """A Trainer that records which prompts each learner step trained on, and the pool's state
     when the run ends (before its actors are stopped)."""
 
-    def __init__(self, config, resume=False, kill_replica_at: int | None = None):
-        super().__init__(config, resume)
+    def __init__(self, config, resume=False, kill_replica_at: int | None = None, kept=None):
+        super().__init__(config, resume, kept)
         self.trained_prompts: list[str] = []
         self.trained_groups: list[int] = []
         self.at_close: dict = {}
@@ -133,21 +133,24 @@ class RecordingTrainer(Trainer):
         super().close()
 
 
-def run_reference(staleness: int, tmp_path_factory):
-    """The uninterrupted run of `staleness`'s config (Ray must be up): (staleness, its folder,
-    its summary, its RecordingTrainer); the run directory is `<folder>/reference`."""
+def run_reference(staleness: int, tmp_path_factory, kept=None):
+    """The uninterrupted run of `staleness`'s config (Ray must be up), on the replicas `kept`
+    holds if it holds any (`KeptGenerators`): (staleness, its folder, its summary, its
+    RecordingTrainer); the run directory is `<folder>/reference`."""
     tmp_path = tmp_path_factory.mktemp(f"train{staleness}")
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "reference", staleness))
-    trainer = RecordingTrainer(config)
+    trainer = RecordingTrainer(config, kept=kept)
     summary = trainer.run()
     return staleness, tmp_path, summary, trainer
 
 
 @pytest.fixture(scope="module", params=[0, 1], ids=["bound0", "bound1"])
-def reference_run(request, shared_ray, tmp_path_factory):
+def reference_run(request, shared_ray, kept_generators, tmp_path_factory):
+    # The four runs of this module share one set of replicas (the two bounds' configs start
+    # them alike); each run loads its own weights into them first.
     if request.param == 0:  # the session's, which tests/test_chaos.py compares against too
         return request.getfixturevalue("train_reference")
-    return run_reference(request.param, tmp_path_factory)
+    return run_reference(request.param, tmp_path_factory, kept_generators)
 
 
 def resume_from(run_dir, resumed_dir, step: int) -> None:
@@ -244,7 +247,7 @@ def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
 
 @pytest.mark.integration
 @pytest.mark.preset
-def test_resume_with_a_killed_generator(reference_run):
+def test_resume_with_a_killed_generator(reference_run, kept_generators):
     staleness, tmp_path, _, reference_trainer = reference_run
     start, end = RESUME_AT[staleness], RESUMED_END[staleness]
     resume_from(tmp_path / "reference", tmp_path / "resumed", start)
@@ -252,7 +255,9 @@ def test_resume_with_a_killed_generator(reference_run):
 
     # Its final evaluation is asserted nowhere: 8 held-out prompts instead of the reference's 200
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness, end, 8))
-    trainer = RecordingTrainer(config, resume=True, kill_replica_at=KILL_AT[staleness])
+    trainer = RecordingTrainer(
+        config, resume=True, kill_replica_at=KILL_AT[staleness], kept=kept_generators
+    )
     summary = trainer.run()
 
     assert summary["final_step"] == end
