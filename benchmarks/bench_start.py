@@ -1,5 +1,7 @@
 """Where a run's first minute goes: `python -m cagrpo_ray.run` from the command to its first
-training step, phase by phase, with compiled and with eager vLLM engines side by side.
+training step, phase by phase: compiled engines (the default), compiled engines with vLLM's
+worker in a process of its own (as before `one_process_cpu_worker`), and eager engines, side
+by side.
 
     flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_start.py [--repeats 2]
         [--config configs/cpu-tiny.yaml] [--out benchmarks/results/bench_start.md]
