@@ -27,16 +27,15 @@ import sys
 import traceback
 from pathlib import Path
 
-from cagrpo_ray.api import (  # noqa: F401  (PROCESS_GROUP_CLEANUP: the tests start Ray as this does)
-    PROCESS_GROUP_CLEANUP,
-    final_report,
-    run_training,
-)
-from cagrpo_ray.config import ConfigError, add_config_args, load_config, to_yaml
+# The outer process imports only this: it starts the driver and waits, and torch, Ray and the
+# config (what the driver imports in `main`) would cost it ~2 s of CPU before the driver starts.
 from cagrpo_ray.supervisor import DRIVER_ENV, supervise
 
 
 def main(argv: list[str] | None = None) -> int:
+    from cagrpo_ray import api
+    from cagrpo_ray.config import ConfigError, add_config_args, load_config, to_yaml
+
     parser = argparse.ArgumentParser(prog="python -m cagrpo_ray.run", description=__doc__)
     add_config_args(parser)
     parser.add_argument(
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_dir = Path(config.run.output_dir) / config.run.name
     try:
-        summary = run_training(config, resume=args.resume == "auto")
+        summary = api.run_training(config, resume=args.resume == "auto")
     except Exception as exc:
         error = exc
     else:
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exception(error)
         print(where_the_output_is(error, run_dir), file=sys.stderr)
         return 1
-    print(final_report(summary), flush=True)  # the last thing printed
+    print(api.final_report(summary), flush=True)  # the last thing printed
     stop_signal = summary.get("stop_signal")
     return 128 + stop_signal if stop_signal else 0  # the shell's status for a signal's end
 

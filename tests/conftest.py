@@ -421,7 +421,7 @@ def _start_shared_ray() -> None:
     this itself: pytest sets up a session fixture before the module's `shared_ray`.)"""
     import ray
 
-    from cagrpo_ray.run import PROCESS_GROUP_CLEANUP
+    from cagrpo_ray.api import PROCESS_GROUP_CLEANUP
 
     if not ray.is_initialized():
         os.environ.setdefault(PROCESS_GROUP_CLEANUP, "1")

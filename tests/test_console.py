@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import short_run as short_run_module
 
+from cagrpo_ray.api import final_report
 from cagrpo_ray.console import (
     LOG_FILE_ENV,
     actor_env,
@@ -29,7 +30,6 @@ from cagrpo_ray.console import (
     redirect_output,
     redirected,
 )
-from cagrpo_ray.run import final_report
 
 REPO = Path(__file__).resolve().parent.parent
 THIRD_PARTY = (  # lines vLLM, DeepSpeed, Ray and transformers print in a run, per actor

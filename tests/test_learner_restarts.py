@@ -72,12 +72,13 @@ def test_the_restart_counter_is_a_prometheus_counter_of_recoveries():
 
 
 def test_a_run_out_of_recoveries_exits_1_with_one_line_naming_the_rank(monkeypatch, capsys):
+    import cagrpo_ray.api
     import cagrpo_ray.run as command
 
     def out_of_recoveries(config, resume):
         LearnerRestarts(0).admit(lost(rank=1), step=7, checkpoint="step_000006")
 
-    monkeypatch.setattr(command, "run_training", out_of_recoveries)
+    monkeypatch.setattr(cagrpo_ray.api, "run_training", out_of_recoveries)
     assert command.main(["--config", "configs/cpu-tiny.yaml"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: learner rank 1 was lost after step 7")

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from cagrpo_ray.api import final_report
 from cagrpo_ray.policies.model import random_policy
-from cagrpo_ray.run import final_report
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=1, intermediate_size=64)
 
