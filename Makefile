@@ -72,23 +72,34 @@ pinned-wheels: setup
 	  $(PIP) download --no-deps '$(PINNED_VLLM)' -d $(CAGRPO_WHEEL_CACHE)
 
 # The venv and the system services install side by side (pip works the CPU and the disk, apt
-# mostly waits on the network). The unit tier runs on both cores (pytest-xdist: its tests are
-# single-process and independent); the integration tier runs one test at a time, since each
-# starts its own Ray cluster, vLLM engines and DeepSpeed ranks across both cores, and leaves a
-# third of the CPU idle while they start and wait. That idle time is filled from below: the
-# policies that the last integration modules load are built in the background at nice 15
-# (tests/warm_policies.py; a no-op once they are cached), and the `beside` tests (CPU-bound, no
-# cluster, no clock) run in a second pytest process at nice 19 (`--beside`, tests/conftest.py).
-# At the end each tier's wall time and the 15 slowest tests are printed (tests/times_report.py).
+# mostly waits on the network). The integration tier runs one test at a time, since each
+# starts its own Ray cluster, vLLM engines and DeepSpeed ranks across both cores, and leaves
+# about a fifth of the CPU idle while they start and wait. That idle time is filled from
+# below: the policies that the last integration modules load are built in the background at
+# nice 15 (tests/warm_policies.py; a no-op once they are cached); the unit tests (pytest-xdist
+# on both cores: single-process and independent) run beside it at nice 19, their output in
+# $(UNIT_LOG) and printed at the end, except those with deadlines of seconds (`clock`), which
+# run first, in the foreground; and the `beside` integration tests (CPU-bound, no cluster, no
+# clock) run in a second pytest process (`--beside`, tests/conftest.py). At nice 19 a process
+# gets the CPU only when the integration tier leaves it idle. At the end each tier's wall
+# time and the 15 slowest tests are printed (tests/times_report.py).
+UNIT_LOG := runs/tests-unit.log
 test:
 	@$(MAKE) --no-print-directory -j2 setup services pinned-wheels
 	@mkdir -p runs && echo "building the tests' policies in the background: runs/warm-policies.log"
 	@nice -n 15 $(PY) tests/warm_policies.py > runs/warm-policies.log 2>&1 &
 	@rm -rf $(TIMES)
-	$(PY) -m pytest tests -m unit -q -n 2 --durations=10 --times-file=$(TIMES)/unit.tsv
+	$(PY) -m pytest tests -m "unit and clock" -q -n 2 --durations=5 --times-file=$(TIMES)/unit.tsv
+	@echo "the other unit tests run beside the integration tier at nice 19: $(UNIT_LOG)"
 	@status=0; \
+	nice -n 19 $(PY) -m pytest tests -m "unit and not clock" -q -n 2 --durations=10 \
+	  --times-file=$(TIMES)/unit.beside.tsv > $(UNIT_LOG) 2>&1 & unit=$$!; \
+	trap 'kill $$unit 2>/dev/null' EXIT INT TERM; \
 	$(PY) -m pytest tests -m "not unit" -q --durations=20 --cpu-report=20 --beside \
 	  --times-file=$(TIMES)/integration.tsv || status=$$?; \
+	unit_status=0; wait $$unit || unit_status=$$?; trap - EXIT INT TERM; \
+	echo; echo "the unit tests run beside ($(UNIT_LOG)):"; \
+	if [ $$unit_status = 0 ]; then tail -n 14 $(UNIT_LOG); else cat $(UNIT_LOG); status=1; fi; \
 	echo; echo "where the time went ($(TIMES)):"; $(PY) tests/times_report.py $(TIMES); \
 	exit $$status
 

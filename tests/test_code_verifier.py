@@ -15,6 +15,9 @@ from cagrpo_ray.rewards import RewardFunction, SandboxLimits, run_solution
 from cagrpo_ray.rewards import sandbox as sandbox_module
 from cagrpo_ray.rewards.verifiers import code_tests, verify_code
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 LIMITS = SandboxLimits(wall_s=2.0)
 SLACK_S = 1.5
 DOUBLE = "n = int(input())\nprint(2 * n)\n"

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cagrpo_ray.metrics.prometheus import METRIC_NAMES, TRAINER_KEYS, PrometheusExporter
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 DEPLOY = Path(__file__).parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "cagrpo_ray.json"

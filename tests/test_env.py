@@ -13,7 +13,8 @@ from cagrpo_ray.env import ToolEnvironment, calculate, run_calculator, run_episo
 from cagrpo_ray.env.tools import MAX_MAGNITUDE, ToolError
 from cagrpo_ray.types import Completion
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 
 def random_expression(rng: random.Random, depth: int = 0) -> str:

@@ -19,6 +19,9 @@ from cagrpo_ray.eval.metrics import k_values
 from cagrpo_ray.rewards import RewardResult
 from cagrpo_ray.types import Completion, SamplingConfig
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 # ---------------------------------------------------------------- pass@k
 
 

@@ -23,6 +23,9 @@ from cagrpo_ray.rollout.engines import engine_options
 from cagrpo_ray.rollout.vllm_engine import _sample_loads, _Streamed
 from cagrpo_ray.types import SamplingConfig
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 LOGPROB_ATOL = 1e-4  # as tests/test_engines.py: measured ~1e-6 on this CPU
 
 

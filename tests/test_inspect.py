@@ -37,6 +37,9 @@ from cagrpo_ray.inspect import (
 from cagrpo_ray.inspect.cli import main
 from cagrpo_ray.inspect.figures import TAIL_FRACTIONS
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 METADATA = {"policy_loss": "cagrpo", "cov_scope": "group", "run_name": "inspect-test"}
 # Measured with `synthetic_step(groups=4, size=8, max_tokens=200, terms=30)`, two steps of 4
 # groups of 8 responses of 200 tokens: 299 KB of page and 58 KB of Parquet a group (see the

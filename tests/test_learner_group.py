@@ -22,6 +22,9 @@ from cagrpo_ray.learner.learner import Learner
 from cagrpo_ray.learner.settings import LearnerSettings
 from cagrpo_ray.policies.model import random_policy
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 LEARNER = dict(lr=1e-3, warmup_steps=0, micro_batch_size=5)
 LOSS = LossSpec("cagrpo", cov_scope="batch")
 

@@ -23,6 +23,9 @@ from cagrpo_ray.policies.lora import LoraSpec, adapter_checksum
 from cagrpo_ray.sync.coordinator import AdapterMismatchError, WeightSyncCoordinator
 from cagrpo_ray.types import SamplingConfig
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 LOGPROB_ATOL = 1e-4
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, target_modules=(
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",

@@ -19,6 +19,9 @@ from ray.cluster_utils import Cluster
 from cagrpo_ray.config import load_config
 from cagrpo_ray.placement import Bundle, Placement, PlacementError, check_fits
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 RECIPE_7B = "configs/gpu-7b-multinode.yaml"
 RECIPE_15B = "configs/gpu-r1-distill-1.5b.yaml"
 

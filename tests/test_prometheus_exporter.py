@@ -15,7 +15,8 @@ from cagrpo_ray.metrics.prometheus import (
     PrometheusExporter,
 )
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 PACKAGE = Path(__file__).parent.parent / "cagrpo_ray"
 # Keys the trainer does not put in its per-step dict yet; the exporter is ready for them.

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import pytest
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 SCRIPT = """
 import subprocess, sys, time, psutil
 from cagrpo_ray.rollout.generator import end_children

@@ -16,7 +16,8 @@ from cagrpo_ray.rewards import (
 )
 from cagrpo_ray.rewards.custom import calling_convention
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 REWARDS_PY = '''
 import math

@@ -25,6 +25,9 @@ from cagrpo_ray.rewards.verifiers import (
     verify_task,
 )
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 TIMEOUT_S = 1.0
 SLACK_S = 1.5  # start-up of the kill and scheduling on a loaded 2-core machine
 

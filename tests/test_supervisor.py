@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 SCRIPT = """
 import os, subprocess, sys, time

@@ -20,7 +20,8 @@ import torch.distributed as dist
 import cagrpo_ray.sync.group as sync_group
 from cagrpo_ray.sync import WeightReceiver, WeightSender, WeightSyncError
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 TIMEOUT_S = 3.0
 

@@ -25,7 +25,8 @@ from cagrpo_ray.rollout import vllm_engine
 from cagrpo_ray.rollout.vllm_engine import VLLMEngine
 from cagrpo_ray.sync import WeightSyncError
 
-pytestmark = pytest.mark.unit
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = [pytest.mark.unit, pytest.mark.clock]
 
 
 class _StuckEngine:

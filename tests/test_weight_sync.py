@@ -32,6 +32,9 @@ from cagrpo_ray.sync.buckets import group_into_buckets, pack_bucket, plan_bucket
 from cagrpo_ray.sync.receiver import BufferPool
 from cagrpo_ray.sync.transport import GlooTransport, NcclWork
 
+# deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
+pytestmark = pytest.mark.clock
+
 SHORT_TIMEOUT_S = 2.0
 
 
