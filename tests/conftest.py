@@ -13,10 +13,11 @@ run's workers (seen twice beside a SmolLM2 study run). `CAGRPO_CPU_LOCK` names a
 file; the unit tier needs none.
 
 `make test`'s integration tier uses two options defined here. `--beside` runs the tests marked
-`beside` (CPU-bound, no Ray cluster, no clock to answer) in a second pytest process at nice 19,
-under this session's lock: one test at a time with Ray leaves about a third of the two cores
-idle (engine and cluster start-ups, sockets, sleeps), and they take that time. `--cpu-report N`
-lists the N tests that left the most CPU idle, to see what is left to fill.
+`beside` (CPU-bound, no Ray cluster, no clock to answer) in a second pytest process at the
+lowest priority (tests/lowest_priority.py), under this session's lock: one test at a time
+with Ray leaves about a fifth of the two cores idle (engine and cluster start-ups, sockets,
+sleeps), and they take that time. `--cpu-report N` lists the N tests that left the most CPU
+idle, to see what is left to fill.
 """
 
 from __future__ import annotations
@@ -240,21 +241,24 @@ BESIDE_LOG = "runs/tests-beside.log"  # under the repository
 
 def _start_beside(config) -> None:
     """Start the `beside` tests of this session (`--beside`) in a second pytest process at
-    nice 19, which takes only the CPU time that this process's tests leave idle and shares
-    this session's CPU lock (`LOCK_HELD_BY_PARENT`)."""
+    the lowest priority (nice 19 in a session of its own whose autogroup has nice 19 too:
+    tests/lowest_priority.py), which takes only the CPU time that this process's tests and
+    the runs they start in sessions of their own leave idle, and shares this session's CPU
+    lock (`LOCK_HELD_BY_PARENT`)."""
     log = config.rootpath / BESIDE_LOG
     log.parent.mkdir(exist_ok=True)
     ids = log.with_suffix(".ids")
     ids.write_text("\n".join(_status["beside_ids"]) + "\n")
-    cmd = ["nice", "-n", "19", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           "--durations=5", f"@{ids}"]  # fmt: skip
+    cmd = [sys.executable, str(Path(__file__).with_name("lowest_priority.py")), sys.executable,
+           "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5", f"@{ids}"]  # fmt: skip
     if _status.get("times_path"):  # the same lines, in a file of its own
         cmd.append(f"--times-file={Path(_status['times_path']).with_suffix('.beside.tsv')}")
     env = {**os.environ, LOCK_HELD_BY_PARENT: str(os.getpid())}
     with log.open("w") as out:
         _status["beside"] = subprocess.Popen(
-            cmd, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT
-        )
+            cmd, cwd=config.rootpath, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # lowest_priority.py lowers its session's autogroup
+        )  # fmt: skip
     _status["beside_log"] = log
 
 
