@@ -84,6 +84,20 @@ def test_eval_split_is_disjoint_from_training_splits_and_has_no_repeats():
 
 
 @pytest.mark.unit
+def test_the_excluded_questions_are_drawn_once_per_process_and_are_the_splits_own():
+    import random
+
+    from cagrpo_ray.data.reasoning_gym_source import generate_entries, split_questions
+
+    seed = random.randrange(10_000)  # a fresh region each run: not a case the cache could hold
+    config = {"min_terms": 2, "max_terms": 3, "max_digits": 2}
+    questions = split_questions("chain_sum", config, seed, 300)
+    assert questions == {e["question"] for e in generate_entries("chain_sum", config, seed, 300)}
+    assert split_questions("chain_sum", dict(reversed(config.items())), seed, 300) is questions
+    assert split_questions("chain_sum", config, seed + 1, 300) != questions
+
+
+@pytest.mark.unit
 def test_eval_split_that_cannot_be_filled_says_so():
     tiny = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
     with pytest.raises(ValueError, match="fewer than 500 questions"):

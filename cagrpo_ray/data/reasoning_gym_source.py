@@ -10,6 +10,8 @@ repeats.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 from typing import Any
 
 import reasoning_gym
@@ -26,6 +28,20 @@ def generate_entries(name: str, config: dict[str, Any], seed: int, size: int) ->
         return []
     dataset = reasoning_gym.create_dataset(name, seed=seed, size=size, **config)
     return [dataset[i] for i in range(size)]
+
+
+def split_questions(name: str, config: dict[str, Any], seed: int, size: int) -> frozenset[str]:
+    """The questions of `generate_entries(name, config, seed, size)`, kept for the next call
+    with the same arguments: every run of a process (a sweep, the tests) excludes the same
+    training splits from its held-out prompts, and drawing them again took ~2 s a run for
+    chain_sum's 20,000 + 64,000 and ~5 s for basic_arithmetic's 20,000."""
+    return _split_questions(name, json.dumps(config, sort_keys=True), seed, size)
+
+
+@functools.lru_cache(maxsize=4)
+def _split_questions(name: str, config_json: str, seed: int, size: int) -> frozenset[str]:
+    entries = generate_entries(name, json.loads(config_json), seed, size)
+    return frozenset(entry["question"] for entry in entries)
 
 
 class ReasoningGymSource(IndexedSource):
@@ -75,13 +91,12 @@ class ReasoningGymSource(IndexedSource):
         unknown = set(exclude_sizes) - set(TRAINING_SPLITS)
         if unknown:
             raise ValueError(f"exclude_sizes names {sorted(unknown)}; use {TRAINING_SPLITS}")
-        seen = {
-            entry["question"]
-            for split, n in exclude_sizes.items()
-            for entry in generate_entries(
-                self.name, self.config, self.seed + SPLIT_SEED_OFFSETS[split], n
+        seen = set().union(
+            *(
+                split_questions(self.name, self.config, self.seed + SPLIT_SEED_OFFSETS[split], n)
+                for split, n in exclude_sizes.items()
             )
-        }
+        )
         kept: list[dict] = []
         drawn = 0
         # Draw in doubling chunks until enough unseen questions; the chunking does not change
