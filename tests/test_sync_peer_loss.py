@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cagrpo_ray.policies import random_policy
 from cagrpo_ray.rollout.engines import cpu_engine_env
-from cagrpo_ray.rollout.generator import GeneratorActor
+from cagrpo_ray.rollout.generator import MAX_CONCURRENT_CALLS, Generator
 from cagrpo_ray.rollout.pool import GeneratorPool
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 from cagrpo_ray.types import SamplingConfig
@@ -121,14 +121,31 @@ def policies(random_policies, tmp_path_factory):
     return {0: str(random_policies[0]), 1: str(random_policies[1]), 2: str(seed2)}
 
 
-def start_replicas(policy_dir: str) -> list:
+class HeldGenerator(Generator):
+    """The run's generator (`GeneratorActor`), whose restart by Ray waits while the file `hold`
+    exists: the test, not the engine's start time, says when a lost replica comes back (a
+    replica restarts in ~10 s on two cores, within the survivors' sync timeout)."""
+
+    def __init__(self, hold: str, *args):
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            while os.path.exists(hold):
+                time.sleep(0.2)
+        super().__init__(*args)
+
+
+HeldGeneratorActor = ray.remote(
+    max_restarts=-1, max_task_retries=0, max_concurrency=MAX_CONCURRENT_CALLS
+)(HeldGenerator)  # as GeneratorActor
+
+
+def start_replicas(policy_dir: str, hold: str) -> list:
     rollout = SimpleNamespace(tensor_parallel_size=1, num_generators=REPLICAS)
     options = dict(seed=0, max_model_len=256, kv_cache_gib=0.5, enforce_eager=True)
     return [
-        GeneratorActor.options(
+        HeldGeneratorActor.options(
             num_cpus=0.5,
             runtime_env={"env_vars": cpu_engine_env(rollout, r, os.cpu_count() or 1)},
-        ).remote(r, "vllm", policy_dir, options)
+        ).remote(hold, r, "vllm", policy_dir, options)
         for r in range(REPLICAS)
     ]
 
@@ -155,8 +172,10 @@ def serves(actor, policy_dir: str, version: int, prompts, other_dir: str) -> Non
         assert (behavior - forward_logprobs(other, prompt, tokens)).abs().max() > 0.1
 
 
-def test_a_replica_killed_mid_sync_costs_only_itself(local_ray, policies):
-    actors = start_replicas(policies[0])
+def test_a_replica_killed_mid_sync_costs_only_itself(local_ray, policies, tmp_path):
+    hold = tmp_path / "hold"  # the lost replica's restart waits until the resync without it
+    hold.touch()
+    actors = start_replicas(policies[0], str(hold))
     rank0 = LearnerRank0.remote(policies)
     ray.get([a.ready.remote() for a in actors], timeout=600)
     pids = [ray.get(a.ready.remote())["pid"] for a in actors]
@@ -184,8 +203,8 @@ def test_a_replica_killed_mid_sync_costs_only_itself(local_ray, policies):
         serves(actors[r], policies[1], 1, prompts, other_dir=policies[2])
     assert pool.available_replicas() == survivors
 
-    # A resync rebuilds the group with the survivors only; the lost replica is not awaited
-    # (its restart, a new vLLM engine, takes far longer than the survivors' sync timeout).
+    # A resync rebuilds the group with the survivors only; the lost replica, still restarting
+    # (held), is not awaited.
     coordinator.resync(2)
     assert pool.members == tuple(survivors) and pool.needs_weights == {VICTIM}
     for r in survivors:
@@ -193,7 +212,10 @@ def test_a_replica_killed_mid_sync_costs_only_itself(local_ray, policies):
         assert pool.version(r) == 2
         serves(actors[r], policies[2], 2, prompts, other_dir=policies[1])
 
+    assert not ray.wait([actors[VICTIM].ready.remote()], timeout=1.0)[0]  # still held
+
     # Ray restarts the lost replica (with v0); then it needs weights, and a resync takes it in.
+    hold.unlink()
     deadline = time.monotonic() + 600
     while pool.needs_weights_now != {VICTIM}:
         assert time.monotonic() < deadline, "the killed replica did not come back"
