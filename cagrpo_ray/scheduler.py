@@ -277,9 +277,13 @@ class Scheduler:
             self._dispatch()
             refs = self._waitable(wait_on)
         if not refs:
+            schedule = self.schedule
             raise RuntimeError(
                 "nothing in flight and no batch buffered: the staleness bound admits no "
-                "generation (is rollout.prompts_per_step larger than what can be buffered?)"
+                "generation (is rollout.prompts_per_step larger than what can be buffered?). "
+                f"Schedule: step {schedule.step}, training {schedule.training}, "
+                f"{schedule.outstanding()} groups outstanding ({len(schedule.buffer)} buffered), "
+                f"{schedule.prompts_wanted()} prompts wanted; pool: {self.pool.state()}"
             )
         done, _ = ray.wait(refs, num_returns=1, timeout=self.config.run.wait_warn_s)
         if not done:

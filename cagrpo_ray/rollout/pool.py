@@ -153,6 +153,16 @@ class GeneratorPool:
         """The policy version `replica` samples its next request with."""
         return self._next_version[replica]
 
+    def state(self) -> str:
+        """The replicas' state in one line, for errors: each one's next version, prompts in
+        flight, and which are loading, waiting for a resync, behind or lost."""
+        return (
+            f"versions {self._next_version}, prompts in flight {self._prompts}, "
+            f"loading {sorted(self._loading)}, stale {sorted(self._stale)}, "
+            f"behind {sorted(self._behind)}, lost {sorted(self._lost)}, "
+            f"sync group {list(self._members)}"
+        )
+
     def available_replicas(self, chunk: int = 1) -> list[int]:
         """Replicas that may take a chunk of `chunk` prompts now (not loading weights, not
         waiting for a resync, under `max_prompts_in_flight`), least loaded first.
