@@ -266,16 +266,9 @@ class Scheduler:
 
     def _pump(self, wait_on: list | None = None) -> None:
         """Dispatch work, then handle whatever finishes first (or `wait_on`'s refs)."""
-        self._dispatch()
-        refs = self._waitable(wait_on)
+        refs = self._dispatch_then_waitable(wait_on)
         if not refs and wait_on:
             return  # what the caller waits for finished since it last looked
-        while not refs and self.pool.loading:
-            # A replica's weight load finished after the dispatch above held the work for it
-            # and before the refs were listed (so the sync is no longer pending): dispatch
-            # again, now that the pool sees the load is over.
-            self._dispatch()
-            refs = self._waitable(wait_on)
         if not refs:
             schedule = self.schedule
             raise RuntimeError(
@@ -302,6 +295,27 @@ class Scheduler:
             self._on_scored(ref)
         elif not self.coordinator.pending():
             self.coordinator.finish()
+
+    def _dispatch_then_waitable(self, wait_on: list | None) -> list:
+        """Dispatch work; then what `_pump` may wait for (`_waitable`), dispatching again
+        while there is nothing to wait for and the dispatch may have met a weight load that
+        finished while it ran:
+
+        - a load that succeeded after the dispatch held the work for its replica, and before
+          the refs were listed (so the sync is no longer pending);
+        - a load that failed there (its replica died, or stayed on its old version, which the
+          bound may not admit): the replica needs weights, and the dispatch resyncs it, the
+          learner being idle (the sync's refs all resolved, nothing else is in flight)."""
+        self._dispatch()
+        refs = self._waitable(wait_on)
+        if wait_on:
+            return refs
+        while not refs and (
+            self.pool.loading or self.schedule.resync_due(bool(self.pool.needs_weights_now))
+        ):
+            self._dispatch()
+            refs = self._waitable(wait_on)
+        return refs
 
     def _waitable(self, wait_on: list | None) -> list:
         """What `_pump` may wait for: generation, scoring, `wait_on` and the sync in flight."""

@@ -28,6 +28,6 @@ def test_the_state_names_each_replicas_version_and_condition():
     pool.lose(2)  # replica 2 died: stale and lost
     state = pool.state()
     assert state.startswith("versions [4, 0, ")  # replica 1 serves its old version
-    assert "loading [2]" in state  # a lost replica's load is forgotten when it settles
+    assert "loading []" in state  # a lost replica's load holds no work for it
     assert "stale [2]" in state and "behind [1]" in state and "lost [2]" in state
     assert "sync group [0, 1, 2]" in state

@@ -283,6 +283,7 @@ class GeneratorPool:
         which reports loads after the fact (`loaded`), may report it after this."""
         if replica not in self._stale:
             self._restarts += 1
+        self._loading.pop(replica, None)  # no more a load to hold work for
         self._before_load.pop(replica, None)
         self._stale.add(replica)
         self._behind.discard(replica)
