@@ -1,7 +1,7 @@
 """Where a run's first minute goes: `python -m cagrpo_ray.run` from the command to its first
 training step, phase by phase: compiled engines (the default), compiled engines with vLLM's
-worker in a process of its own (as before `one_process_cpu_worker`), and eager engines, side
-by side.
+engine-core process spawned as vLLM does (as before `ForkedEngineCore`, which forks it from the
+replica's actor), and eager engines, side by side.
 
     flock /tmp/cagrpo-cpu.lock .venv/bin/python benchmarks/bench_start.py [--repeats 2]
         [--config configs/cpu-tiny.yaml] [--out benchmarks/results/bench_start.md]
@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parent.parent
 # label: (--set overrides, environment)
 VARIANTS = {
     "compiled engines (the default)": ([], {}),
-    "compiled, worker process": ([], {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+    "compiled, spawned engine core": ([], {"CAGRPO_FORK_ENGINE_CORE": "0"}),
     "eager engines": (["rollout.enforce_eager=true"], {}),
 }
 CLOCK = re.compile(r"\b(\d\d):(\d\d):(\d\d)\b")

