@@ -95,7 +95,7 @@ def test_a_registered_estimator_is_one_function_and_one_name():
         mask = torch.ones(4, 3, dtype=torch.bool)
         assert batch_advantages(got, mask, "test_max_baseline") is got  # no batch stage
     finally:
-        del ADVANTAGE_ESTIMATORS["test_max_baseline"]
+        ADVANTAGE_ESTIMATORS.remove("test_max_baseline")
 
 
 def reference_rloo(rewards, group_size):

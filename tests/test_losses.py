@@ -578,7 +578,7 @@ def test_registry_errors_and_extension():
         ).loss.backward()
         torch.testing.assert_close(new.grad, torch.tensor([[-1.0] * 3, [1.0] * 3]) / 6)
     finally:
-        del POLICY_LOSSES["vanilla_pg"]
+        POLICY_LOSSES.remove("vanilla_pg")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cagrpo_ray.algo.registries import Registry
+
 GroupStage = Callable[[Tensor], Tensor]  # [num_groups, G] float64 -> [num_groups, G]
 BatchStage = Callable[[Tensor, Tensor], Tensor]  # advantages [B], mask [B, T] -> [B]
 
@@ -44,7 +46,7 @@ class RegisteredEstimator:
     min_group_size: int  # the smallest G the estimator is defined for
 
 
-ADVANTAGE_ESTIMATORS: dict[str, RegisteredEstimator] = {}
+ADVANTAGE_ESTIMATORS: Registry[RegisteredEstimator] = Registry("advantage estimator", takes=1)
 
 
 def register_advantage_estimator(
@@ -58,7 +60,7 @@ def register_advantage_estimator(
     """
 
     def decorator(fn: GroupStage) -> GroupStage:
-        ADVANTAGE_ESTIMATORS[name] = RegisteredEstimator(fn, batch, min_group_size)
+        ADVANTAGE_ESTIMATORS.add(name, RegisteredEstimator(fn, batch, min_group_size), fn)
         return fn
 
     return decorator
@@ -66,11 +68,7 @@ def register_advantage_estimator(
 
 def lookup_estimator(name: str) -> RegisteredEstimator:
     """The registered estimator `name`; an unknown name is an error that lists the known ones."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage estimator {name!r} is not one of {', '.join(ADVANTAGE_ESTIMATORS)}"
-        )
-    return ADVANTAGE_ESTIMATORS[name]
+    return ADVANTAGE_ESTIMATORS.lookup(name)
 
 
 GRPO_EPS = 1e-6  # added to the std so that a group whose rewards are all equal gets A = 0

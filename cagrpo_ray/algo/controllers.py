@@ -29,14 +29,16 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-CONTROLLERS: dict[str, Callable] = {}
+from cagrpo_ray.algo.registries import Registry
+
+CONTROLLERS: Registry[Callable] = Registry("controller", takes=1)
 
 
 def register_controller(name: str):
     """Register `fn(spec: RecipeSpec) -> controller` (see the module docstring) under `name`."""
 
     def decorator(fn: Callable) -> Callable:
-        CONTROLLERS[name] = fn
+        CONTROLLERS.add(name, fn, fn)
         return fn
 
     return decorator

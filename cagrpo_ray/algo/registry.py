@@ -20,6 +20,7 @@ from torch import Tensor
 from cagrpo_ray.algo.aggregation import LOSS_AGG_MODES
 from cagrpo_ray.algo.batch_stats import BatchInputs, PreparedLoss, TokenStats, no_statistics
 from cagrpo_ray.algo.kl_penalty import KL_ESTIMATORS
+from cagrpo_ray.algo.registries import Registry
 from cagrpo_ray.algo.stats import SCOPES
 
 CAGRPO_KERNELS = ("normalized", "unnormalized", "ones", "positive", "negative")
@@ -149,7 +150,7 @@ class RegisteredLoss:
     shows: str  # the inspector column the page colours by default
 
 
-POLICY_LOSSES: dict[str, RegisteredLoss] = {}
+POLICY_LOSSES: Registry[RegisteredLoss] = Registry("policy loss", takes=1)
 
 
 def register_policy_loss(
@@ -169,7 +170,7 @@ def register_policy_loss(
     """
 
     def decorator(fn: TokenLossFn) -> TokenLossFn:
-        POLICY_LOSSES[name] = RegisteredLoss(fn, statistics, token_fields, shows)
+        POLICY_LOSSES.add(name, RegisteredLoss(fn, statistics, token_fields, shows), fn)
         return fn
 
     return decorator
@@ -177,6 +178,4 @@ def register_policy_loss(
 
 def lookup_loss(name: str) -> RegisteredLoss:
     """The registered loss `name`; an unknown name is an error that lists the known ones."""
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is not one of {', '.join(POLICY_LOSSES)}")
-    return POLICY_LOSSES[name]
+    return POLICY_LOSSES.lookup(name)

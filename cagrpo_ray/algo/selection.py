@@ -23,18 +23,20 @@ from collections.abc import Callable
 import numpy as np
 from torch import Tensor
 
+from cagrpo_ray.algo.registries import Registry
+
 GroupFilterFn = Callable[[np.ndarray], np.ndarray]  # rewards [num_groups, G] -> keep [num_groups]
 TokenMaskFn = Callable[[Tensor, Tensor], Tensor]  # mask [B, T], truncated [B] -> mask [B, T]
 
-GROUP_FILTERS: dict[str, GroupFilterFn] = {}
-TOKEN_MASKS: dict[str, TokenMaskFn] = {}
+GROUP_FILTERS: Registry[GroupFilterFn] = Registry("group filter", takes=1)
+TOKEN_MASKS: Registry[TokenMaskFn] = Registry("token mask", takes=2)
 
 
 def register_group_filter(name: str):
     """Register `fn(rewards: [num_groups, G] float32) -> keep: [num_groups] bool`."""
 
     def decorator(fn: GroupFilterFn) -> GroupFilterFn:
-        GROUP_FILTERS[name] = fn
+        GROUP_FILTERS.add(name, fn, fn)
         return fn
 
     return decorator
@@ -44,7 +46,7 @@ def register_token_mask(name: str):
     """Register `fn(mask: [B, T] bool, truncated: [B] bool) -> [B, T] bool`."""
 
     def decorator(fn: TokenMaskFn) -> TokenMaskFn:
-        TOKEN_MASKS[name] = fn
+        TOKEN_MASKS.add(name, fn, fn)
         return fn
 
     return decorator

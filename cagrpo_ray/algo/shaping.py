@@ -16,17 +16,19 @@ from collections.abc import Callable
 
 import numpy as np
 
+from cagrpo_ray.algo.registries import Registry
+
 # rewards [n] float32, response lengths [n] (tokens), the recipe's options -> [n] float32
 RewardShapingFn = Callable[[np.ndarray, np.ndarray, object], np.ndarray]
 
-REWARD_SHAPINGS: dict[str, RewardShapingFn] = {}
+REWARD_SHAPINGS: Registry[RewardShapingFn] = Registry("reward shaping", takes=3)
 
 
 def register_reward_shaping(name: str):
     """Register `fn(rewards [n] float32, lengths [n], spec: RecipeSpec) -> [n] float32`."""
 
     def decorator(fn: RewardShapingFn) -> RewardShapingFn:
-        REWARD_SHAPINGS[name] = fn
+        REWARD_SHAPINGS.add(name, fn, fn)
         return fn
 
     return decorator
