@@ -3,11 +3,14 @@ two steps of the embedded default config with `algorithm.advantage_estimator` se
 group inspected, and the advantages the learner trained on (the inspector's) checked against
 the estimator's definition written out here, from the rewards and trained tokens of the same
 records: RLOO's leave-one-out baseline (group stage only), and REINFORCE++-baseline, whose
-normalisation over the whole learner batch is applied by the scheduler before training."""
+normalisation over the whole learner batch is applied by the scheduler before training; and
+an estimator and a loss that exist only in this test's own file (`algorithm.plugins`), the
+loss looked up in the learner rank's process, which imported the file itself."""
 
 from __future__ import annotations
 
 import math
+import textwrap
 
 import numpy as np
 import pytest
@@ -40,13 +43,43 @@ def reinforce_pp(rewards: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return (centred - per_token.mean()) / max(per_token.var(), 1e-8) ** 0.5
 
 
-@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp"])
+def median_baseline(rewards: np.ndarray) -> np.ndarray:
+    """[groups, G] -> r_i minus the lower median of its group (torch.median's for even G)."""
+    rewards = rewards.astype(np.float64)
+    lower_median = np.sort(rewards, axis=1)[:, (rewards.shape[1] - 1) // 2]
+    return rewards - lower_median[:, None]
+
+
+# A user's own algorithm, in a file of their own: nothing of the package is edited.
+PLUGIN = """
+from cagrpo_ray.algo import register_advantage_estimator, register_policy_loss
+
+@register_advantage_estimator("test_median_baseline", min_group_size=2)
+def median_baseline(rewards):
+    return rewards - rewards.median(dim=1, keepdim=True).values
+
+@register_policy_loss("test_reinforce")
+def reinforce(x):
+    tokens = float(x.mask.sum())
+    return -x.advantages * x.ratio, {"policy/test_reinforce_tokens": tokens}
+"""
+
+
+@pytest.mark.parametrize("estimator", ["rloo", "reinforce_pp", "plugin"])
 def test_an_estimator_trains_on_its_own_advantages(kept_generators, tmp_path, estimator):
+    algorithm = [f"algorithm.advantage_estimator={estimator}"]
+    if estimator == "plugin":
+        (tmp_path / "my_algo.py").write_text(textwrap.dedent(PLUGIN))
+        algorithm = [
+            f"algorithm.plugins=[{tmp_path / 'my_algo.py'}]",
+            "algorithm.advantage_estimator=test_median_baseline",
+            "algorithm.policy_loss=test_reinforce",
+        ]
     config = load_config(
         "configs/cpu-tiny.yaml",
         [
             "model.path=chain_sum",
-            f"algorithm.advantage_estimator={estimator}",
+            *algorithm,
             f"run.output_dir={tmp_path}",
             f"run.name={estimator}",
             f"run.steps={STEPS}",
@@ -70,6 +103,8 @@ def test_an_estimator_trains_on_its_own_advantages(kept_generators, tmp_path, es
     records = read_metrics(trainer.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(math.isfinite(r["loss/total"]) and math.isfinite(r["policy/loss"]) for r in records)
+    if estimator == "plugin":  # the plugin's loss ran in the learner rank: its metric is there
+        assert all(r["policy/test_reinforce_tokens"] > 0 for r in records), records[0].keys()
     signal = 0
     for step in range(1, STEPS + 1):
         table, metadata = read_step(trainer.run_dir, step)
@@ -79,7 +114,10 @@ def test_an_estimator_trains_on_its_own_advantages(kept_generators, tmp_path, es
         rewards = rows.column("reward").to_numpy().reshape(PROMPTS, GROUP)
         trained = rows.column("advantage").to_numpy().reshape(PROMPTS, GROUP)
         tokens = np.array([len(t) for t in rows.column("tokens").to_pylist()])
-        want = rloo(rewards) if estimator == "rloo" else reinforce_pp(rewards, tokens)
+        if estimator == "plugin":
+            want = median_baseline(rewards)
+        else:
+            want = rloo(rewards) if estimator == "rloo" else reinforce_pp(rewards, tokens)
         np.testing.assert_allclose(trained, want, rtol=1e-5, atol=1e-5)
         signal += int((np.ptp(rewards, axis=1) > 0).sum())
     assert signal > 0  # some group had rewards that differ: the advantages were not all 0

@@ -4,11 +4,13 @@ the others)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from cagrpo_ray.algo.advantages import ADVANTAGE_ESTIMATORS
+from cagrpo_ray.algo.controllers import CONTROLLERS
 from cagrpo_ray.algo.losses import (
     CAGRPO_KERNELS,
     KL_ESTIMATORS,
@@ -16,16 +18,51 @@ from cagrpo_ray.algo.losses import (
     POLICY_LOSSES,
     LossSpec,
 )
+from cagrpo_ray.algo.plugins import PluginError, load_plugins, resolve
 from cagrpo_ray.algo.recipe import RecipeSpec
+from cagrpo_ray.algo.registries import Registry
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
+from cagrpo_ray.algo.selection import GROUP_FILTERS, TOKEN_MASKS
+from cagrpo_ray.algo.shaping import REWARD_SHAPINGS
 from cagrpo_ray.algo.stats import SCOPES
 from cagrpo_ray.config.section import Section
 
 DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise
 
 
+def registered_names(registry: Registry, names):
+    """`names` (one name or a list of them) if `registry` holds each, else the config error
+    that lists what it holds (plugins included: they are imported before any check)."""
+    for name in [names] if isinstance(names, str) else names:
+        if name not in registry:
+            raise PydanticCustomError(
+                "registry_name",
+                "{name} is not one of {allowed}",
+                {"name": repr(name), "allowed": ", ".join(registry)},
+            )
+    return names
+
+
 class AlgorithmConfig(Section):
-    policy_loss: Literal[tuple(POLICY_LOSSES)] = Field(  # the registry's names
+    # the fields whose values are a registry's names (`--describe` lists them)
+    registries: ClassVar[dict[str, Registry]] = {
+        "policy_loss": POLICY_LOSSES,
+        "advantage_estimator": ADVANTAGE_ESTIMATORS,
+        "reward_shaping": REWARD_SHAPINGS,
+        "group_filters": GROUP_FILTERS,
+        "token_masks": TOKEN_MASKS,
+        "controllers": CONTROLLERS,
+    }
+
+    plugins: list[str] = Field(
+        [],
+        description="Your own algorithm entries: Python files (path/to/my_algo.py, relative to "
+        "the working directory) or importable modules that register estimators, losses, "
+        "reward shapings, group filters, token masks or controllers; imported before the "
+        "config is checked, in the driver and in every learner rank, so that their names are "
+        "values of the keys below (docs/extending.md).",
+    )
+    policy_loss: str = Field(
         LossSpec.name, description="Policy loss from the registry in cagrpo_ray.algo.losses."
     )
     loss_agg: Literal[LOSS_AGG_MODES] = Field(
@@ -94,7 +131,7 @@ class AlgorithmConfig(Section):
         description="KL-Cov: coefficient of |log r| (the authors' code and verl's recipes use 1; "
         "verl's dataclass default is 0.1).",
     )
-    advantage_estimator: Literal[tuple(ADVANTAGE_ESTIMATORS)] = Field(  # the registry's names
+    advantage_estimator: str = Field(
         "grpo",
         description="How a response's advantage comes from its group's rewards, from the "
         "registry in cagrpo_ray.algo.advantages (docs/extending.md).",
@@ -197,6 +234,55 @@ class AlgorithmConfig(Section):
     overlong_penalty_factor: float = Field(
         1.0, ge=0, description="Overlong penalty: its size at rollout.max_tokens."
     )
+    reward_shaping: list[str] = Field(
+        [],
+        description="Reward shapings by registry name, applied in this order to the "
+        "verifiers' rewards before the advantages (overlong: penalty adds overlong_penalty).",
+    )
+    group_filters: list[str] = Field(
+        [],
+        description="Group filters by registry name: a group any of them rejects is not "
+        "trained, and generation goes on until the batch is full (dynamic_sampling: true adds "
+        "dynamic_sampling).",
+    )
+    token_masks: list[str] = Field(
+        [],
+        description="Token masks by registry name, applied in this order to the batch's loss "
+        "mask (overlong: mask adds overlong).",
+    )
+    controllers: list[str] = Field(
+        [],
+        description="Controllers by registry name, which set loss options step by step from "
+        "the learner's metrics (kappa_control: entropy adds kappa_entropy).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data):
+        """The plugins first, so that the names they register are valid values of this
+        section; a `.py` plugin is kept by its absolute path, for the learner ranks."""
+        if isinstance(data, dict) and data.get("plugins"):
+            plugins = data["plugins"]
+            if isinstance(plugins, str):
+                plugins = [plugins]
+            if not isinstance(plugins, list | tuple) or not all(
+                isinstance(p, str) for p in plugins
+            ):
+                raise ValueError(
+                    f"algorithm.plugins must be a list of files or modules, got {plugins!r}"
+                )
+            try:
+                load_plugins(plugins)
+            except PluginError as error:  # the key is named where the message is shown
+                raise PydanticCustomError("plugin", "{message}", {"message": str(error)}) from None
+            data = {**data, "plugins": [resolve(p) for p in plugins]}
+        return data
+
+    @field_validator("policy_loss", "advantage_estimator", "reward_shaping", "group_filters",
+                     "token_masks", "controllers")  # fmt: skip
+    @classmethod
+    def _registered(cls, names, info):
+        return registered_names(cls.registries[info.field_name], names)
 
     @model_validator(mode="before")
     @classmethod
@@ -222,10 +308,12 @@ class AlgorithmConfig(Section):
                 f"algorithm.kappa_range {self.kappa_range} must contain cagrpo_kappa "
                 f"{self.cagrpo_kappa} (and be positive)"
             )
-        if self.kappa_control != "off" and self.policy_loss != "cagrpo":
+        steered = self.kappa_control != "off" or "kappa_entropy" in self.controllers
+        if steered and self.policy_loss != "cagrpo":
             raise ValueError(
-                f"algorithm.kappa_control {self.kappa_control!r} steers CA-GRPO's kernel; "
-                f"policy_loss is {self.policy_loss!r} (use cagrpo, or kappa_control: off)"
+                f"algorithm.kappa_control {self.kappa_control!r} (or the controller "
+                f"kappa_entropy) steers CA-GRPO's kernel; policy_loss is {self.policy_loss!r} "
+                "(use cagrpo, or kappa_control: off)"
             )
         return self
 
@@ -243,8 +331,16 @@ class AlgorithmConfig(Section):
             kappa_entropy_band=self.kappa_entropy_band,
             kappa_rate=self.kappa_rate,
             kappa_range=self.kappa_range,
-            reward_shaping=("overlong_penalty",) if self.overlong == "penalty" else (),
-            group_filters=("dynamic_sampling",) if self.dynamic_sampling else (),
-            token_masks=("overlong",) if self.overlong == "mask" else (),
-            controllers=("kappa_entropy",) if self.kappa_control == "entropy" else (),
+            reward_shaping=_names(
+                self.overlong == "penalty", "overlong_penalty", self.reward_shaping
+            ),
+            group_filters=_names(self.dynamic_sampling, "dynamic_sampling", self.group_filters),
+            token_masks=_names(self.overlong == "mask", "overlong", self.token_masks),
+            controllers=_names(self.kappa_control == "entropy", "kappa_entropy", self.controllers),
         )
+
+
+def _names(switched_on: bool, name: str, listed: list[str]) -> tuple[str, ...]:
+    """A recipe stage's registry names: the one its switch adds (a shipped config's spelling),
+    then those listed by name, each once, in order."""
+    return tuple(dict.fromkeys(([name] if switched_on else []) + list(listed)))

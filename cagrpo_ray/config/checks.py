@@ -24,9 +24,11 @@ def check_across_sections(config: Config) -> Config:
                 f"({r.prompts_per_step} x {r.group_size} = {batch} responses) and split evenly "
                 f"over the {lcfg.num_learners} learner ranks"
             )
-    if a.overlong == "penalty" and not 0 < a.overlong_buffer_len <= r.max_tokens:
+    overlong_penalty = a.overlong == "penalty" or "overlong_penalty" in a.reward_shaping
+    if overlong_penalty and not 0 < a.overlong_buffer_len <= r.max_tokens:
         raise ValueError(
-            f"algorithm.overlong 'penalty' needs 0 < algorithm.overlong_buffer_len <= "
+            f"the overlong penalty (algorithm.overlong 'penalty', or 'overlong_penalty' in "
+            f"algorithm.reward_shaping) needs 0 < algorithm.overlong_buffer_len <= "
             f"rollout.max_tokens ({r.max_tokens}), got {a.overlong_buffer_len}"
         )
     for key, value in (

@@ -46,6 +46,10 @@ def _describe(error: dict) -> str:
         choices = typing.get_args(field.model_fields[loc[-1]].annotation) if field else ()
         allowed = ", ".join(str(c) for c in choices) or error.get("ctx", {}).get("expected", "?")
         return f"{dotted}: {given!r} is not one of {allowed}"
+    if error["type"] == "registry_name":  # a name no registry entry has
+        return f"{dotted}: {error['msg']}"
+    if error["type"] == "plugin":  # a section's plugin that cannot be imported
+        return f"{dotted}.plugins: {error['msg']}"
     if error["type"] == "value_error" and isinstance(given, dict):
         # a section's own check (e.g. run.mode against run.max_staleness): its message names
         # the keys, the whole section would only be noise
@@ -136,7 +140,10 @@ def describe_fields(model: type[BaseModel] = Config, prefix: str = "") -> list[s
             continue
         default = field.get_default(call_default_factory=True)
         line = f"{prefix}{name} = {default!r}  # {field.description}"
-        if typing.get_origin(annotation) is typing.Literal:  # e.g. a registry's names
+        registry = getattr(model, "registries", {}).get(name)
+        if registry is not None:  # its names now, the plugins' included
+            line += f" One of: {', '.join(registry)}."
+        elif typing.get_origin(annotation) is typing.Literal:
             line += f" One of: {', '.join(map(str, typing.get_args(annotation)))}."
         lines.append(line)
     return lines
@@ -164,15 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m cagrpo_ray.config", description="Print the resolved configuration."
     )
     add_config_args(parser)
-    parser.add_argument("--describe", action="store_true", help="List every field with its help.")
+    parser.add_argument(
+        "--describe",
+        action="store_true",
+        help="List every field with its help (and, given a config, its plugins' names too).",
+    )
     args = parser.parse_args(argv)
-    if args.describe:
+    if args.describe and not args.config and not args.overrides:
         print("\n".join(describe_fields()))
         return 0
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides)  # with its plugins' names
     except (ConfigError, OSError) as exc:
         print(exc, file=sys.stderr)
         return 2
-    print(to_yaml(config), end="")
+    print(
+        "\n".join(describe_fields()) if args.describe else to_yaml(config),
+        end="\n" if args.describe else "",
+    )
     return 0

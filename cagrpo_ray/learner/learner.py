@@ -37,6 +37,7 @@ from cagrpo_ray.algo import (
     token_fields,
     truncated_is_weights,
 )
+from cagrpo_ray.algo.plugins import load_plugins
 from cagrpo_ray.algo.registry import as_spec
 from cagrpo_ray.learner.adapter import (
     BasePolicy,
@@ -127,6 +128,7 @@ class Learner:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
     ) -> None:
+        load_plugins(settings.plugins)  # before the loss is looked up
         loss = loss or LossSpec()
         if settings.num_threads > 0:
             torch.set_num_threads(settings.num_threads)

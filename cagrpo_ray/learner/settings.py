@@ -46,7 +46,7 @@ LEARNER_KEYS = {
     "share_prompts": "learner.share_prompts",
     "dist_timeout_s": "learner.dist_timeout_s",
 }
-DERIVED = ("model_path", "max_response_length", "total_steps", "mini_batches", "lora")
+DERIVED = ("model_path", "max_response_length", "total_steps", "mini_batches", "lora", "plugins")
 NOT_IN_CONFIG = ("ref_model_path", "num_threads")  # set by tests, benchmarks and the group
 
 # LossSpec field -> the config key whose value it takes: `name` is algorithm.policy_loss, every
@@ -108,6 +108,8 @@ class LearnerSettings:
         response (`learner/packing.py`); micro-batches then hold whole groups.
     num_threads: torch CPU threads of this rank.
     dist_timeout_s: timeout of the data-parallel collectives.
+    plugins: the config's `algorithm.plugins`, imported by each rank before it trains (a loss
+        of the user's own is looked up in the rank's process).
     """
 
     model_path: str
@@ -136,6 +138,7 @@ class LearnerSettings:
     num_threads: int = 1
     dist_timeout_s: float = _config_default("dist_timeout_s")
     lora: LoraSpec | None = None
+    plugins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
@@ -200,5 +203,6 @@ def learner_settings(config: Config, model_path: str) -> LearnerSettings:
         total_steps=config.run.steps,
         mini_batches=responses // (a.mini_batch_size or responses),
         lora=LoraSpec.from_config(config.model.lora),
+        plugins=tuple(a.plugins),
         **{field: config_value(config, key) for field, key in LEARNER_KEYS.items()},
     )

@@ -25,17 +25,15 @@ length scores 0 with an error that names the function and the sample.
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import os
-import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from cagrpo_ray.algo.plugins import import_source
 
 # (score, error or None, extra components)
 Scored = tuple[float, str | None, dict[str, float]]
@@ -180,20 +178,7 @@ def import_function(name: str, spec: str, search_path: str | None = None) -> Cal
             "'module:function'"
         )
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise FileNotFoundError(f"no file {path}")
-            # one module name per file, so that two files with the same name do not collide
-            module_name = "cagrpo_reward_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-            module_spec = importlib.util.spec_from_file_location(module_name, path)
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            if search_path and search_path not in sys.path:
-                sys.path.append(search_path)
-            module = importlib.import_module(target)
+        module = import_source(target, search_path)
     except Exception as error:
         raise RewardFunctionError(
             f"reward function {name!r}: cannot import {target!r}: {type(error).__name__}: "
