@@ -23,9 +23,9 @@ from cagrpo_ray.algo import (
     register_group_filter,
     register_token_mask,
 )
-from cagrpo_ray.algo import plugins as plugin_loader
 from cagrpo_ray.algo.registries import Registry, RegistryError
 from cagrpo_ray.config import ConfigError, load_config
+from cagrpo_ray.config import plugins as plugin_loader
 
 pytestmark = pytest.mark.unit
 

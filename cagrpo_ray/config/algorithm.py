@@ -18,13 +18,13 @@ from cagrpo_ray.algo.losses import (
     POLICY_LOSSES,
     LossSpec,
 )
-from cagrpo_ray.algo.plugins import PluginError, load_plugins, resolve
 from cagrpo_ray.algo.recipe import RecipeSpec
 from cagrpo_ray.algo.registries import Registry
 from cagrpo_ray.algo.schedules import LR_SCHEDULES
 from cagrpo_ray.algo.selection import GROUP_FILTERS, TOKEN_MASKS
 from cagrpo_ray.algo.shaping import REWARD_SHAPINGS
 from cagrpo_ray.algo.stats import SCOPES
+from cagrpo_ray.config.plugins import PluginError, load_plugins, resolve
 from cagrpo_ray.config.section import Section
 
 DEFAULT_TIS_CAP = 2.0  # the truncation asynchronous runs get unless they say otherwise

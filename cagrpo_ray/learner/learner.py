@@ -37,8 +37,8 @@ from cagrpo_ray.algo import (
     token_fields,
     truncated_is_weights,
 )
-from cagrpo_ray.algo.plugins import load_plugins
 from cagrpo_ray.algo.registry import as_spec
+from cagrpo_ray.config.plugins import load_plugins
 from cagrpo_ray.learner.adapter import (
     BasePolicy,
     adapter_names,

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cagrpo_ray.algo.plugins import import_source
+from cagrpo_ray.imports import import_source
 
 # (score, error or None, extra components)
 Scored = tuple[float, str | None, dict[str, float]]

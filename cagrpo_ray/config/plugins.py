@@ -4,7 +4,7 @@ A plugin is a Python file or an importable module that registers entries with th
 decorators (`register_advantage_estimator`, `register_policy_loss`, `register_reward_shaping`,
 `register_group_filter`, `register_token_mask`, `register_controller`); once it is imported, its
 names are config values like the built-in ones. The config imports the plugins it names before
-it checks any other key (`config/algorithm.py`), in the driver, and every learner rank imports
+it checks any other key (`algorithm.py`), in the driver, and every learner rank imports
 them again before it trains (`LearnerSettings.plugins`): a file is named by its absolute path,
 so every process on the machine (or on a shared file system) finds the same one.
 
@@ -15,12 +15,10 @@ naming the plugin, before anything of the run starts. Each plugin is imported on
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
+
+from cagrpo_ray.imports import import_source
 
 _loaded: dict[str, ModuleType] = {}  # resolved spec -> module, per process
 
@@ -35,29 +33,6 @@ def resolve(spec: str, base: str | Path | None = None) -> str:
     if spec.endswith(".py"):
         return str((Path(base or Path.cwd()) / spec).resolve())
     return spec
-
-
-def import_source(target: str, search_path: str | None = None) -> ModuleType:
-    """The module of `target`: a `.py` file (given one module name per file, so that two files
-    of the same name do not collide) or an importable module name (also looked up in
-    `search_path`). Raises what the import raises."""
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise FileNotFoundError(f"no file {path}")
-        module_name = "cagrpo_user_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        module_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module
-        try:
-            module_spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
-        return module
-    if search_path and search_path not in sys.path:
-        sys.path.append(search_path)
-    return importlib.import_module(target)
 
 
 def load_plugins(specs, base: str | Path | None = None) -> list[ModuleType]:
