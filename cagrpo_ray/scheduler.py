@@ -38,6 +38,7 @@ from cagrpo_ray.algo.recipe import Recipe
 from cagrpo_ray.config import Config
 from cagrpo_ray.data.prompts import format_prompt, prompt_preamble
 from cagrpo_ray.inspect.capture import capture_step, groups_to_inspect
+from cagrpo_ray.rewards.errors import RewardErrorLog
 from cagrpo_ray.rollout.batch_metrics import rollout_metrics
 from cagrpo_ray.rollout.buffer import group_record_batch, to_learner_batch
 from cagrpo_ray.rollout.pool import GeneratorPool, chunk_sampling
@@ -71,7 +72,8 @@ class Scheduler:
 
     The roles are built by the caller (`Trainer`): the generator `pool`, the `reward_pool`
     actor, the `learners`, the weight-sync `coordinator`; `wait(refs, what)` is a `ray.get`
-    that logs long waits. The schedule (`self.schedule`) is built here from the config.
+    that logs long waits; `reward_errors` shows and keeps the reward errors (`rewards/errors.py`;
+    default: the console only). The schedule (`self.schedule`) is built here from the config.
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class Scheduler:
         coordinator: WeightSyncCoordinator,
         wait,
         inspect_dir=None,
+        reward_errors: RewardErrorLog | None = None,
     ):
         self.config = config
         self.tokenizer, self.train_source = tokenizer, train_source
@@ -92,6 +95,7 @@ class Scheduler:
         self.coordinator = coordinator
         self._wait = wait
         self.inspect_dir = inspect_dir  # the run directory when steps are inspected
+        self.reward_errors = reward_errors or RewardErrorLog(None)
         self.instruction = prompt_preamble(config.data)
         self.reward_refs: dict = {}  # ObjectRef -> (PromptChunk, completions per prompt)
         self.learn_refs: list = []
@@ -184,6 +188,7 @@ class Scheduler:
         else:
             self.coordinator.start(self.step)
         self._dispatch()
+        self.reward_errors.step_done(self.step)
         step_time = time.perf_counter() - t_start
 
         metrics = rollout_metrics(table, cfg.rollout.group_size, cfg.rollout.max_turns > 1)
@@ -347,6 +352,18 @@ class Scheduler:
         results = self._wait([ref], "verifiers")[0]
         g = self.config.rollout.group_size
         self.verifier_errors += sum(r.error is not None for r in results)
+        for k, result in enumerate(results):
+            if result.error is not None:
+                index, group, response = chunk.indices[k // g], k // g, k % g
+                self.reward_errors.record(
+                    self.schedule.step + 1,  # the learner step under way
+                    result.error,
+                    self.train_source[index].uid,
+                    index,
+                    chunk.group_ids[group],
+                    response,
+                    groups[group][response].text,
+                )
         self.unparsed += sum(not r.parsed for r in results)
         self.scored_responses += len(results)
         for result in results:

@@ -43,6 +43,7 @@ from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
 from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.metrics.trackers import Trackers
 from cagrpo_ray.placement import Placement
+from cagrpo_ray.rewards.errors import ERRORS_FILE, RewardErrorLog
 from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.kept import KeptGenerators, replica_key
@@ -248,9 +249,10 @@ class Trainer:
             self._wait,
         )
         inspect = self.run_dir if cfg.metrics.inspect_every else None
+        errors = RewardErrorLog(self.log_dir / ERRORS_FILE)
         return Scheduler(
             cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
-            self.learners, coordinator, self._wait, inspect_dir=inspect,
+            self.learners, coordinator, self._wait, inspect_dir=inspect, reward_errors=errors,
         )  # fmt: skip
 
     def _sources(self):

@@ -24,6 +24,7 @@ import torch
 from cagrpo_ray.algo.advantages import group_advantages
 from cagrpo_ray.algo.covariance import cagrpo_token_weights, token_covariance
 from cagrpo_ray.algo.stats import COVARIANCE_TABLE_FRACTIONS, covariance_quantiles
+from cagrpo_ray.console import log_dir
 from cagrpo_ray.inspect import (
     INSPECT_SCHEMA,
     InspectorServer,
@@ -36,6 +37,7 @@ from cagrpo_ray.inspect import (
 )
 from cagrpo_ray.inspect.cli import main
 from cagrpo_ray.inspect.figures import TAIL_FRACTIONS
+from cagrpo_ray.rewards.errors import ERRORS_FILE, RewardErrorLog
 
 # deadlines of seconds: `make test` runs these unit tests in the foreground, not at nice 19
 pytestmark = pytest.mark.clock
@@ -354,6 +356,24 @@ def test_the_cli_writes_the_newest_step_or_the_one_asked_for(tmp_path, capsys):
     main([str(run), "--step", "3", "--out", str(tmp_path / "three.html")])
     page = (tmp_path / "three.html").read_text()
     assert "step 3</h1>" in page and "<span>7</span>" in page  # no link from a file
+
+
+@pytest.mark.unit
+def test_a_response_whose_reward_had_an_error_is_marked_with_the_message(tmp_path):
+    run = run_dir_with_steps(tmp_path / "run", steps=(3,))
+    table, _ = synthetic_step()
+    group, index = table.column("group_id")[5].as_py(), table.column("response_index")[5].as_py()
+    errors = RewardErrorLog(log_dir(run) / ERRORS_FILE)
+    failed = "reward function 'f' on sample 'x:1' raised ValueError: <bad> & \"odd\""
+    errors.record(3, failed, "x:1", 1, group, index, "text")
+    main([str(run)])
+    page = (run / "inspect" / "step_000003.html").read_text()
+    assert page.count("reward error</span>") == 1  # that response only
+    escaped = "raised ValueError: &lt;bad&gt; &amp; &quot;odd&quot;"
+    assert f"title='reward function &#x27;f&#x27; on sample &#x27;x:1&#x27; {escaped}'" in page
+    head = page[: page.index("reward error</span>")]
+    assert head.rindex(f"data-group={group}>") > head.rindex("<section class=g")  # its group
+    assert "reward error</span>" not in render_page(table, METADATA, [3])
 
 
 @pytest.mark.unit

@@ -16,9 +16,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from cagrpo_ray.console import log_dir
 from cagrpo_ray.inspect.page import render_page
 from cagrpo_ray.inspect.records import INSPECT_DIR, inspected_steps, read_step
 from cagrpo_ray.inspect.server import InspectorServer
+from cagrpo_ray.rewards.errors import ERRORS_FILE, read_errors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,7 +54,9 @@ def write_page(run_dir: Path, step: int | None, out: Path | None) -> Path:
     step = metadata["step"]
     out = out or run_dir / INSPECT_DIR / f"step_{step:06d}.html"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_page(table, metadata, inspected_steps(run_dir), lambda s: None))
+    errors = read_errors(log_dir(run_dir) / ERRORS_FILE)
+    page = render_page(table, metadata, inspected_steps(run_dir), lambda s: None, errors)
+    out.write_text(page)
     return out
 
 

@@ -69,11 +69,15 @@ def render_page(
     metadata: dict,
     steps: list[int],
     step_href: Callable[[int], str | None] = lambda step: f"/step/{step}",
+    reward_errors: dict[tuple[int, int], str] | None = None,
 ) -> str:
     """The HTML page of one inspected step (`records.read_step`'s table and metadata).
 
     `steps` are the run's inspected steps, linked through `step_href(step)` (None: shown
-    without a link)."""
+    without a link). `reward_errors` ((group id, response index) -> message, from the run's
+    `logs/reward_errors.jsonl`: `rewards.errors.read_errors`) marks the responses whose reward
+    had an error."""
+    reward_errors = reward_errors or {}
     rows = table.to_pylist()
     step = int(metadata.get("step", rows[0]["step"] if rows else 0))
     flat = {column: flat_values(table, column) for column in ("cov", "weight")}
@@ -98,7 +102,7 @@ def render_page(
     for row in rows:
         groups.setdefault(row["group_id"], []).append(row)
     for group_id, responses in groups.items():
-        parts.append(_group(group_id, responses, thresholds))
+        parts.append(_group(group_id, responses, thresholds, reward_errors))
     scales = json.dumps(colour_scales(table)).replace("</", "<\\/")
     parts += [
         "</main><table id=tip hidden></table>",
@@ -155,7 +159,7 @@ def _controls(default: str) -> str:
     )
 
 
-def _group(group_id: int, responses: list[dict], thresholds) -> str:
+def _group(group_id: int, responses: list[dict], thresholds, reward_errors) -> str:
     first = responses[0]
     right = sum(r["correct"] for r in responses)
     mean_reward = sum(r["reward"] for r in responses) / len(responses)
@@ -165,17 +169,26 @@ def _group(group_id: int, responses: list[dict], thresholds) -> str:
         f"mean reward {mean_reward:.3g}</h2>",
         f"<pre class=prompt>{html.escape(first['prompt_text'])}</pre>",
     ]
-    parts += [_response(r, thresholds) for r in responses]
+    parts += [
+        _response(r, thresholds, reward_errors.get((group_id, r["response_index"])))
+        for r in responses
+    ]
     parts.append("</section>")
     return "".join(parts)
 
 
-def _response(row: dict, thresholds) -> str:
+def _response(row: dict, thresholds, reward_error: str | None = None) -> str:
     n = len(row["tokens"])
     badge, verdict = ("ok", "correct") if row["correct"] else ("bad", "incorrect")
     mean_w = sum(row["weight"]) / n if n else 1.0
+    failed = (
+        f"<span class='badge bad rerr' title='{html.escape(reward_error, quote=True)}'>"
+        f"reward error</span> "
+        if reward_error is not None
+        else ""
+    )
     head = (
-        f"<div class=rh><span class='badge {badge}'>{verdict}</span> "
+        f"<div class=rh><span class='badge {badge}'>{verdict}</span> {failed}"
         f"#{row['response_index']} · reward {row['reward']:.3g} · "
         f"A {row['advantage']:+.3g} · finish: {html.escape(row['finish_reason'])} · {n} tokens · "
         f"policy v{row['policy_version']} · mean w~ {mean_w:.3g}</div>"

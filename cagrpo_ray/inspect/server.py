@@ -27,8 +27,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from cagrpo_ray.console import log_dir
 from cagrpo_ray.inspect.page import render_page
 from cagrpo_ray.inspect.records import inspected_steps, read_step, step_path
+from cagrpo_ray.rewards.errors import ERRORS_FILE, read_errors
 
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1"}
 CACHED_PAGES = 4
@@ -94,7 +96,8 @@ class InspectorServer:
             if key in self._pages:
                 return self._pages[key]
         table, metadata = read_step(self.run_dir, step)
-        page = render_page(table, metadata, steps).encode()
+        errors = read_errors(log_dir(self.run_dir) / ERRORS_FILE)
+        page = render_page(table, metadata, steps, reward_errors=errors).encode()
         with self._lock:
             self._pages[key] = page
             while len(self._pages) > CACHED_PAGES:
