@@ -25,10 +25,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cagrpo_ray.errors import UserError
+
 log = logging.getLogger("cagrpo_ray")
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError, ValueError):
     """The cluster cannot hold the run's actors; the message says what does not fit."""
 
 

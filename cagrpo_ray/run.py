@@ -63,20 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         error = exc
     else:
         error = None
-    from cagrpo_ray.data.files import PromptFileError
-    from cagrpo_ray.learner.restarts import LearnerLostError
-    from cagrpo_ray.metrics.trackers import TrackerError
-    from cagrpo_ray.placement import PlacementError
-    from cagrpo_ray.plan import PlanError
-    from cagrpo_ray.policies.build import PolicyPathError
-    from cagrpo_ray.schedule import DynamicSamplingError
+    from cagrpo_ray.errors import StoppedWithCheckpoint, UserError
 
-    bad_input = PromptFileError | PolicyPathError | PlacementError | PlanError | TrackerError
-    if isinstance(error, bad_input):
+    if isinstance(error, UserError):
         # bad input found once the run looks at it: one line, not a traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if isinstance(error, DynamicSamplingError | LearnerLostError):  # the checkpoint is intact
+    if isinstance(error, StoppedWithCheckpoint):  # the checkpoint is intact
         print(f"error: {error}", file=sys.stderr)
         return 1
     if error is not None:

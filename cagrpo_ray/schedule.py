@@ -66,6 +66,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cagrpo_ray.errors import StoppedWithCheckpoint
 from cagrpo_ray.rollout.buffer import RolloutBuffer
 from cagrpo_ray.rollout.requeue import PromptChunk, Requeue
 
@@ -73,7 +74,7 @@ STATE_FILE = "trainer_state.json"  # a checkpoint's schedule state (and the loop
 BUFFER_FILE = "buffer.parquet"  # a checkpoint's buffered groups
 
 
-class DynamicSamplingError(RuntimeError):
+class DynamicSamplingError(StoppedWithCheckpoint, RuntimeError):
     """Dynamic sampling found too few groups with a signal within its bound."""
 
 

@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("algorithm", {"algo"}),
     # records and utilities that every role shares (SamplingConfig, Completion, logging,
     # ending processes)
-    ("foundation", {"types", "console", "progress", "processes", "imports"}),
+    ("foundation", {"types", "console", "progress", "processes", "imports", "errors"}),
     # parts a role is built from, knowing no role: config, prompts, verifiers, environments,
     # the checkpoint directories
     (

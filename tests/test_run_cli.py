@@ -127,3 +127,40 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_verifies_else_sta
     else:
         assert trainer.step == expected
         assert trainer.learners.loaded == [str(trainer.ckpt_root / f"step_{expected:06d}/learner")]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("error", "status", "traceback"),
+    [
+        ("cagrpo_ray.rewards.custom:RewardFunctionError", 2, False),
+        ("cagrpo_ray.placement:PlacementError", 2, False),
+        ("cagrpo_ray.schedule:DynamicSamplingError", 1, False),
+        ("cagrpo_ray.learner.restarts:LearnerLostError", 1, False),
+        ("builtins:RuntimeError", 1, True),
+    ],
+)
+def test_the_exit_status_and_the_output_follow_the_errors_class(
+    tmp_path, monkeypatch, capsys, error, status, traceback
+):
+    """Bad input (`errors.UserError`) is one line and status 2; a run stopped with its
+    checkpoint intact (`errors.StoppedWithCheckpoint`) one line and status 1; anything else
+    its traceback and status 1."""
+    import importlib
+
+    from cagrpo_ray import api
+    from cagrpo_ray.run import main
+
+    module, _, name = error.partition(":")
+    raised = getattr(importlib.import_module(module), name)("what went wrong")
+
+    def run_training(config, resume):
+        raise raised
+
+    monkeypatch.setattr(api, "run_training", run_training)
+    code = main(["--config", "configs/cpu-tiny.yaml", "--set", f"run.output_dir={tmp_path}"])
+    stderr = capsys.readouterr().err
+    assert code == status
+    assert ("Traceback" in stderr) == traceback
+    if not traceback:
+        assert stderr.strip().splitlines()[-1] == "error: what went wrong"

@@ -13,9 +13,10 @@ from pydantic import BaseModel, ValidationError
 
 from cagrpo_ray.config.checks import check_across_sections
 from cagrpo_ray.config.sections import Config
+from cagrpo_ray.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key or value is wrong; the message names the key and what is allowed."""
 
 

@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 
 from cagrpo_ray.data.prompts import check_prompt_lengths, prompt_preamble
 from cagrpo_ray.data.types import IndexedSource, PromptItem
+from cagrpo_ray.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ LAYOUT_COLUMNS: dict[str, tuple[str | None, str]] = {
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(UserError, ValueError):
     """A prompt file that cannot be read as prompts; the message names the file."""
 
 

@@ -11,10 +11,11 @@ is not recovered: the same step would fail the same way again.
 
 from __future__ import annotations
 
+from cagrpo_ray.errors import StoppedWithCheckpoint
 from cagrpo_ray.learner.group import LearnerGroupError
 
 
-class LearnerLostError(RuntimeError):
+class LearnerLostError(StoppedWithCheckpoint, RuntimeError):
     """A learner rank was lost once more than `run.max_restarts` allows: the run stops."""
 
 

@@ -32,13 +32,15 @@ import secrets
 import time
 from pathlib import Path
 
+from cagrpo_ray.errors import UserError
+
 log = logging.getLogger("cagrpo_ray")
 
 EXTRA_HINT = "pip install -e '.[track]' (make setup installs it)"
 SUMMARY_SECTIONS = ("eval_before", "eval_after")  # the held-out table's two columns
 
 
-class TrackerError(RuntimeError):
+class TrackerError(UserError, RuntimeError):
     """A tracker named in `metrics.loggers` cannot start; the message says which and why."""
 
 

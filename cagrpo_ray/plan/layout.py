@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cagrpo_ray.config import Config
+from cagrpo_ray.errors import UserError
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The run does not fit the cluster; the message names the actor, the GPU or the
     component, and what would fit."""
 

@@ -9,6 +9,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from cagrpo_ray.errors import UserError
+
 BUILD_INFO = "build_info.json"  # written last by every build: its presence marks a whole one
 
 
@@ -39,7 +41,7 @@ def cached_build(key: str, build: Callable[[Path], object]) -> Path:
     return path
 
 
-class PolicyPathError(ValueError):
+class PolicyPathError(UserError, ValueError):
     """model.path names no policy that can be had here: neither a folder, nor a preset, nor a
     Hugging Face hub id, or a GGUF file that is missing or cannot be read (a run reports it in
     one line and exits with status 2)."""

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from cagrpo_ray.errors import UserError
 from cagrpo_ray.imports import import_source
 
 # (score, error or None, extra components)
@@ -49,7 +50,7 @@ SIGNATURES = (
 _loaded: dict[str, Callable] = {}  # spec -> function, per process
 
 
-class RewardFunctionError(ValueError):
+class RewardFunctionError(UserError, ValueError):
     """A reward function that cannot be used: not importable, or an unknown signature."""
 
 
