@@ -21,11 +21,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cagrpo_ray.learner.sizes import REDUCE_BUCKET_ELEMENTS
+
 log = logging.getLogger("cagrpo_ray")
 
 # Large enough that DeepSpeed never prints its own progress lines between our metrics.
 _NEVER = 1 << 62
-REDUCE_BUCKET_ELEMENTS = 500_000_000
 
 
 def default_backend() -> str:

@@ -12,7 +12,6 @@ shape is wrong or missing. Works offline.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -52,10 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     from cagrpo_ray.plan import ModelShapeError, PlanError, plan, render, to_json
 
     try:
-        # the estimate imports DeepSpeed (for its bucket sizes), which logs to stdout from a
-        # handler made at import: made here, it writes to stderr, and stdout stays the plan
-        with contextlib.redirect_stdout(sys.stderr):
-            result = plan(config)
+        result = plan(config)
     except (ModelShapeError, PlanError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 from cagrpo_ray.config import Config
 from cagrpo_ray.config.sections import LoraConfig
+from cagrpo_ray.learner.logprobs import chunk_positions
+from cagrpo_ray.learner.sizes import REDUCE_BUCKET_ELEMENTS
 from cagrpo_ray.plan.shapes import ModelShape
 from cagrpo_ray.rollout.vllm_lora import adapter_slots, vllm_max_lora_rank
 
@@ -200,8 +202,6 @@ def logits_bytes(
     bfloat16, the head's output and its gradient; and the head weight's gradient summed over the
     chunks (autograd's buffer plus one chunk's new gradient, 2 x V x H x s), unless the head is
     frozen (`head_gradient` False: LoRA)."""
-    from cagrpo_ray.learner.logprobs import chunk_positions  # imports DeepSpeed: only when used
-
     positions = min(tokens, chunk_positions(shape.vocab_size, budget_mib))
     per_position = shape.vocab_size * (20 + (2 * s if s < 4 else 0))
     head = 2 * shape.vocab_size * shape.hidden_size * s if head_gradient else 0
@@ -218,8 +218,6 @@ def learner_memory(config: Config, shape: ModelShape, device: str = "cuda") -> E
     optimizer's partition) and a CUDA context allowance is added; "cpu": the single-tensor
     path (two temporaries as large as the largest optimizer tensor), no context.
     """
-    from cagrpo_ray.learner.distributed import REDUCE_BUCKET_ELEMENTS  # imports DeepSpeed
-
     lc, s = config.learner, DTYPE_BYTES[config.model.dtype]
     p, n, stage = shape.parameters(), lc.num_learners, lc.zero_stage
     lora = config.model.lora if config.model.lora.enabled else None
