@@ -4,9 +4,10 @@ package.
 
 A "package" here is a top-level unit of `cagrpo_ray`: a subpackage (`cagrpo_ray.env`) or a
 top-level module (`cagrpo_ray.scheduler`). Each sits in one layer of `LAYERS`; a module may
-import its own package and the packages of its own layer or those below, never one above (the
-package-cycle check keeps the imports within one layer acyclic). A new package has to be given
-its layer here.
+import its own package and the packages of the layers below, never one above, and another
+package of its own layer only where `SAME_LAYER_IMPORTS` lists the pair (the package-cycle
+check keeps those acyclic). A new package has to be given its layer here, and a new import
+within a layer its line.
 """
 
 from __future__ import annotations
@@ -35,7 +36,14 @@ LAYERS: list[tuple[str, set[str]]] = [
     (
         "components",
         {
-            "config", "data", "rewards", "env", "metrics", "inspect", "policies", "placement",
+            "config",
+            "data",
+            "rewards",
+            "env",
+            "metrics",
+            "inspect",
+            "policies",
+            "placement",
             "checkpoints",
         },
     ),
@@ -49,6 +57,20 @@ LAYERS: list[tuple[str, set[str]]] = [
     # the entry points: the command line (and its outer process) and the Python API
     ("entry", {"run", "api", "supervisor"}),
 ]
+
+# The imports between two packages of the same layer, each with its reason; any other is an
+# error, and so is a listed one that no module makes any more.
+SAME_LAYER_IMPORTS: dict[tuple[str, str], str] = {
+    ("env", "rewards"): "an episode's tools run code in the verifiers' sandbox",
+    ("inspect", "rewards"): "the inspector marks responses whose reward had an error",
+    ("policies", "data"): "a built-in policy is fine-tuned on worked solutions of its task",
+    ("learner", "sync"): "learner rank 0 sends the weights",
+    ("rollout", "sync"): "a generator replica receives the weights",
+    ("scheduler", "schedule"): "the Ray loop feeds the schedule",
+    ("trainer", "scheduler"): "the trainer runs the Ray loop",
+    ("run", "api"): "the command runs the Python API's training",
+    ("run", "supervisor"): "the command's outer process supervises the driver",
+}
 
 
 def module_name(path: Path) -> str:
@@ -167,6 +189,29 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
     return found
 
 
+def same_layer_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Each import between two packages of one layer that `SAME_LAYER_IMPORTS` does not list,
+    as "a -> b (layer x)"; and each listed pair that no module imports any more."""
+    layer_of = {p: layer for layer, packages in LAYERS for p in packages}
+    pairs = {
+        (here, there): layer_of[here]
+        for here, edges in package_graph(graph).items()
+        for there in edges
+        if here in layer_of and there in layer_of and layer_of[here] == layer_of[there]
+    }
+    found = [
+        f"{here} -> {there} ({layer}): list it in SAME_LAYER_IMPORTS with its reason, or import "
+        "a lower layer"
+        for (here, there), layer in sorted(pairs.items())
+        if (here, there) not in SAME_LAYER_IMPORTS
+    ]
+    found += [
+        f"{here} -> {there} is listed in SAME_LAYER_IMPORTS but no module imports it"
+        for here, there in sorted(set(SAME_LAYER_IMPORTS) - set(pairs))
+    ]
+    return found
+
+
 def algo_imports(graph: dict[str, set[str]]) -> list[str]:
     """Each import from `algo/` of another part of the package."""
     return [
@@ -221,6 +266,23 @@ def test_an_upward_import_is_found():
     ]
 
 
+def test_a_same_layer_import_not_listed_is_found():
+    graph = {
+        "cagrpo_ray.sync.sender": {"cagrpo_ray.rollout.pool"},  # roles -> roles, not listed
+        "cagrpo_ray.rollout.generator": {"cagrpo_ray.sync.receiver"},  # listed
+        "cagrpo_ray.learner.learner": {"cagrpo_ray.sync.sender", "cagrpo_ray.algo.losses"},
+    }
+    found = same_layer_imports(graph)
+    assert found[0] == (
+        "sync -> rollout (roles): list it in SAME_LAYER_IMPORTS with its reason, or import a "
+        "lower layer"
+    )
+    listed_but_absent = {pair for pair in SAME_LAYER_IMPORTS} - {
+        ("rollout", "sync"), ("learner", "sync")
+    }  # fmt: skip
+    assert len(found) == 1 + len(listed_but_absent)
+
+
 def test_an_import_from_algo_is_found():
     graph = {"cagrpo_ray.algo.losses": {"cagrpo_ray.algo.stats", "cagrpo_ray.types"}}
     assert algo_imports(graph) == ["cagrpo_ray.algo.losses -> cagrpo_ray.types"]
@@ -249,6 +311,11 @@ def test_no_import_cycle_between_packages():
 def test_nothing_imports_upward():
     upward = upward_imports(import_graph())
     assert not upward, "\n".join(upward)
+
+
+def test_imports_within_a_layer_are_the_listed_ones():
+    found = same_layer_imports(import_graph())
+    assert not found, "\n".join(found)
 
 
 def test_algo_is_the_paper_alone():
