@@ -1,12 +1,13 @@
 """Policy losses and CA-GRPO weights against the paper's equations in float64.
 
-The references (`cagrpo_ray/algo/reference.py`) are loops over tokens in float64 (numpy, or
+The references (`tests/loss_reference.py`) are loops over tokens in float64 (numpy, or
 torch scalars where a gradient is needed); they implement the paper's formulas, not the
 library's code paths, and run here on fresh random batches (hypothesis) and edge cases.
 """
 
 import math
 
+import loss_reference as reference
 import numpy as np
 import pytest
 import torch
@@ -14,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from cagrpo_ray.algo import reference
 from cagrpo_ray.algo.losses import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
@@ -39,7 +39,7 @@ CLIP_RATIO_C = st.sampled_from([None, 3.0, 1.1, 1.5])
 HYPOTHESIS = settings(max_examples=60, deadline=None, derandomize=True)
 
 # ------------------------------------------------------------------------------------------------
-# References: the paper's equations as float64 loops (cagrpo_ray/algo/reference.py)
+# References: the paper's equations as float64 loops (tests/loss_reference.py)
 # ------------------------------------------------------------------------------------------------
 
 reference_covariance = reference.token_covariance

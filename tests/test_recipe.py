@@ -7,10 +7,10 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from loss_reference import group_advantages
 
 from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.algo.recipe import Recipe
-from cagrpo_ray.algo.reference import group_advantages
 from cagrpo_ray.algo.shaping import overlong_penalty
 from cagrpo_ray.config import Config
 

@@ -37,7 +37,7 @@ Clip-Cov / KL-Cov selections) are then fixed once per rollout batch from pi_old'
 policy's (`"minibatch"`, as verl does); the normalisers are each mini-batch's. From the second
 update on r_t moves away from 1, so PPO's clipping, the dual-clip and KL-Cov's |log r| act.
 
-The same equations as plain float64 loops, which the tests compare with: `reference.py`.
+The same equations as plain float64 loops, which the tests compare with: `tests/loss_reference.py`.
 
 Baselines in the same registry: `grpo` (PPO-clip with separate eps_low / eps_high, i.e. DAPO's
 clip-higher), and from Cui et al. 2025 ("The Entropy Mechanism of Reinforcement Learning for

@@ -15,7 +15,15 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+
+def checkout() -> Path:
+    """The git checkout the measured code comes from: the one the package is in (an editable
+    install, or a script run from the repository), else the working directory (an installed
+    package, measured from the checkout the script was started in)."""
+    package = Path(__file__).resolve().parents[1]
+    if (package.parent / ".git").exists():
+        return package.parent
+    return Path.cwd()
 
 
 def _proc_value(path: str, key: str) -> str | None:
@@ -58,11 +66,15 @@ def describe_machine(m: dict[str, str] | None = None) -> str:
 
 
 def git_commit(
-    root: Path = REPO, paths: Sequence[str] = ("cagrpo_ray", "configs"), *, short: bool = True
+    root: Path | None = None,
+    paths: Sequence[str] = ("cagrpo_ray", "configs"),
+    *,
+    short: bool = True,
 ) -> str:
-    """The commit checked out at `root` (short hash unless `short=False`), followed by
-    " (<paths> modified)" when any of `paths` has uncommitted changes; "unknown" outside a git
-    checkout or without git."""
+    """The commit checked out at `root` (default `checkout()`; short hash unless
+    `short=False`), followed by " (<paths> modified)" when any of `paths` has uncommitted
+    changes; "unknown" outside a git checkout or without git."""
+    root = checkout() if root is None else root
 
     def git(*args: str) -> str:
         return subprocess.run(

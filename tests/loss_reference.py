@@ -1,6 +1,6 @@
 """The paper's equations as the paper writes them: plain loops in float64, no speed tricks.
 
-This is the readable version of `advantages.py`, `covariance.py`, `off_policy.py` and
+The readable version of `cagrpo_ray/algo/`: `advantages.py`, `covariance.py`, `off_policy.py` and
 `losses.py`, and the reference that their tests compare against on random batches. Every
 function takes numpy arrays (or float64 torch leaves where a gradient is wanted) and returns
 float64. The fast kernels must agree with these within float32 rounding.
