@@ -27,13 +27,13 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-from dataclasses import dataclass, field
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cagrpo_ray.rollout.buffer import group_record_batch
+from cagrpo_ray.rollout.replicas import Phase, ReplicaTable
 from cagrpo_ray.rollout.requeue import PromptChunk
 from cagrpo_ray.schedule import (
     DynamicSamplingError,
@@ -225,22 +225,25 @@ def test_filtered_groups_are_passed_over_in_start_order():
 # ------------------------------------------------------------------------- random orders
 
 
-@dataclass
-class Replica:
-    version: int = 0  # what its next chunk samples with
-    loading: bool = False
-    dead: bool = False  # needs a resync; its chunks in flight come back lost
-    chunks: list = field(default_factory=list)  # (ChunkStart, version) in flight
+def synced_table(replicas: int, version: int) -> ReplicaTable:
+    """The replicas as a run starts them: each loaded with the learner's `version`."""
+    table = ReplicaTable(replicas)
+    for replica in range(replicas):
+        table.start_load(replica, version)
+        table.load_done(replica, version)
+    return table
 
 
 class Roles:
     """The generator pool, reward pool, learner and sync around a `Schedule` (see the module
-    docstring), stepped by one random choice at a time."""
+    docstring), stepped by one random choice at a time. The replicas' state is the pool's own
+    `ReplicaTable`; the chunks each replica holds are listed here."""
 
     def __init__(self, config: ScheduleSettings, replicas: int, rng: random.Random):
         self.config, self.rng = config, rng
         self.schedule = Schedule(config)
-        self.replicas = [Replica() for _ in range(replicas)]
+        self.table = synced_table(replicas, 0)
+        self.chunks: list[list] = [[] for _ in range(replicas)]  # (ChunkStart, version)
         self.scoring: list = []  # FIFO of (chunk, version)
         self.training = None  # the batch the learner trains on
         self.batches: list[tuple[int, list[int], list[int], list[str]]] = []
@@ -267,36 +270,36 @@ class Roles:
             self.start_chunks()
 
     def start_chunks(self) -> None:
-        sch = self.schedule
-        if sch.resync_due(any(r.dead for r in self.replicas)):
+        sch, table = self.schedule, self.table
+        if sch.resync_due(bool(table.needs_weights_now)):
             self.resync()
         while (count := sch.prompts_wanted()) > 0:
-            ready = self.available()
+            ready = table.available(count)
             if not ready:
                 break
-            start = sch.start_chunk(count, self.replicas[ready[0]].version)
+            start = sch.start_chunk(count, table.version(ready[0]))
             if start is None:
                 break
-            replica = self.replicas[ready[0]]
-            replica.chunks.append((start, replica.version))
-
-    def available(self) -> list[int]:
-        """GeneratorPool.available_replicas: none while an idle replica is loading."""
-        if any(r.loading and not r.chunks for r in self.replicas):
-            return []
-        ready = [i for i, r in enumerate(self.replicas) if not r.loading and not r.dead]
-        return sorted(ready, key=lambda i: (len(self.replicas[i].chunks), i))
+            table.submitted(ready[0], len(start.chunk.indices))
+            self.chunks[ready[0]].append((start, table.version(ready[0])))
 
     def resync(self) -> None:
-        for replica in self.replicas:  # what is generating finishes first
-            while replica.chunks:
+        """Scheduler.resync: what is generating finishes first, and the broadcast under way
+        (`coordinator.finish`); then every live replica loads the learner's version."""
+        for replica in range(len(self.table)):
+            while self.chunks[replica]:
                 self.finish_generation(replica)
-        for replica in self.replicas:
-            replica.version, replica.loading, replica.dead = self.schedule.step, False, False
+            if (load := self.table[replica].load) is not None:
+                self.table.load_done(replica, load.version)
+        for replica in self.table.live():
+            self.table.start_load(replica, self.schedule.step)
+            self.table.load_done(replica, self.schedule.step)
 
-    def finish_generation(self, replica: Replica) -> None:
-        start, version = replica.chunks.pop(self.rng.randrange(len(replica.chunks)))
-        if replica.dead:
+    def finish_generation(self, replica: int) -> None:
+        chunks = self.chunks[replica]
+        start, version = chunks.pop(self.rng.randrange(len(chunks)))
+        self.table.returned(replica, len(start.chunk.indices))
+        if self.table.phase(replica) in (Phase.LOST, Phase.RESTARTED):  # died on the way
             self.schedule.chunk_lost(start.chunk)
         else:
             self.scoring.append((start.chunk, version))
@@ -304,24 +307,28 @@ class Roles:
     # the events
     def events(self) -> list:
         """(weight, event) for each event that can happen now; losses and resumes rarer."""
-        events = []
-        for replica in self.replicas:
-            if replica.chunks:
+        events, table = [], self.table
+        for replica in range(len(table)):
+            phase = table.phase(replica)
+            if self.chunks[replica]:
                 events.append((1.0, lambda r=replica: self.finish_generation(r)))
-            if replica.loading and not replica.chunks:
-                events.append((1.0, lambda r=replica: setattr(r, "loading", False)))
-            if replica.chunks and not replica.dead:
+            if phase is Phase.LOADING and not self.chunks[replica]:
+                load = table[replica].load
+                events.append((1.0, lambda r=replica, v=load.version: table.load_done(r, v)))
+            if self.chunks[replica] and phase in (Phase.READY, Phase.LOADING):
                 events.append((0.1, lambda r=replica: self.kill(r)))
+            if phase is Phase.LOST:
+                events.append((0.5, lambda r=replica: table.back(r)))  # Ray restarted it
         if self.scoring:
             events.append((1.0, self.score_next))
-        if self.training is not None and not any(r.loading for r in self.replicas):
+        if self.training is not None and not table.loading:
             events.append((1.0, self.step_ends))
         if self.training is None and self.schedule.step > 0:
             events.append((0.1, self.checkpoint_and_resume))
         return events
 
-    def kill(self, replica: Replica) -> None:
-        replica.dead = True
+    def kill(self, replica: int) -> None:
+        assert self.table.lose(replica)
         self.losses += 1
 
     def score_next(self) -> None:
@@ -339,16 +346,17 @@ class Roles:
     def step_ends(self) -> None:
         self.training = None
         self.schedule.step_trained()
-        if not self.schedule.resync_due(any(r.dead for r in self.replicas)):
-            for replica in self.replicas:  # the broadcast of the new version starts
-                replica.version, replica.loading = self.schedule.step, True
+        if not self.schedule.resync_due(bool(self.table.needs_weights_now)):
+            for replica in range(len(self.table)):  # the broadcast of the new version starts
+                self.table.start_load(replica, self.schedule.step)  # not a lost one
 
     def checkpoint_and_resume(self) -> None:
         state, table = self.schedule.state(), self.schedule.buffer.to_table()
         self.dropped_before += self.schedule.dropped_stale
         self.schedule = Schedule(self.config)
         self.schedule.restore(state, table)
-        self.replicas = [Replica(version=self.schedule.step) for _ in self.replicas]
+        self.table = synced_table(len(self.table), self.schedule.step)
+        self.chunks = [[] for _ in self.chunks]
         self.scoring = []
         self.resumes += 1
 
