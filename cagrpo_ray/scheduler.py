@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -64,6 +65,53 @@ def idle_fraction(busy_seconds: float, replicas: int, wall_seconds: float) -> fl
     if replicas == 0 or wall_seconds <= 0:
         return 0.0
     return float(min(1.0, max(0.0, 1.0 - busy_seconds / (replicas * wall_seconds))))
+
+
+@dataclass(frozen=True)
+class Counters:
+    """The run's running totals, read at a learner step's start and end: the step's metrics of
+    generation and scoring are their differences (`counter_metrics`)."""
+
+    busy_seconds: float = 0.0  # the replicas' requests, summed
+    tokens_generated: float = 0.0
+    verifier_errors: int = 0
+    unparsed: int = 0  # scored responses in which the task verifier found no answer
+    scored_responses: int = 0
+    components: tuple[tuple[str, float], ...] = ()  # reward functions' own components, summed
+    spanning_loads: int = 0  # responses generated across a weight load (in-flight mode)
+    overlong_penalized: int = 0
+    dropped_stale: int = 0  # groups the schedule dropped as too stale
+    filtered_groups: int = 0  # groups dynamic sampling filtered
+
+
+def counter_metrics(
+    before: Counters, after: Counters, step_seconds: float, replicas: int, in_flight: bool
+) -> dict[str, float]:
+    """A step's metrics of generation and scoring: what the totals grew by in the step, per
+    scored response or per second of the step where a rate is meant (so runs compare whatever
+    their staleness bound)."""
+    scored = max(1, after.scored_responses - before.scored_responses)
+    generated = after.tokens_generated - before.tokens_generated
+    busy = after.busy_seconds - before.busy_seconds
+    metrics = {
+        "reward/verifier_errors": after.verifier_errors - before.verifier_errors,
+        # of the responses scored since the last step (what generation produced)
+        "reward/unparsed_fraction": (after.unparsed - before.unparsed) / scored,
+        "throughput/generated_tokens_per_s": generated / step_seconds,
+        "buffer/dropped_this_step": after.dropped_stale - before.dropped_stale,
+        "dynamic_sampling/filtered_groups": after.filtered_groups - before.filtered_groups,
+        "reward/overlong_penalized": after.overlong_penalized - before.overlong_penalized,
+        "generators/idle_fraction": idle_fraction(busy, replicas, step_seconds),
+        "tokens/generated": generated,
+    }
+    earlier = dict(before.components)
+    for name, total in after.components:  # e.g. reward/gsm8k/strict_format
+        metrics[f"reward/{name}"] = (total - earlier.get(name, 0.0)) / scored
+    if in_flight:
+        metrics["rollout/spanning_load_fraction"] = (
+            after.spanning_loads - before.spanning_loads
+        ) / scored
+    return metrics
 
 
 class Scheduler:
@@ -139,12 +187,7 @@ class Scheduler:
         """One learner step: wait for a batch within the bound, train on it, start the sync."""
         cfg, schedule = self.config, self.schedule
         t_start = time.perf_counter()
-        busy_before, tokens_before = self.pool.busy_seconds, self.tokens_generated
-        errors_before, dropped_before = self.verifier_errors, schedule.dropped_stale
-        unparsed_before, responses_before = self.unparsed, self.scored_responses
-        components_before = dict(self.component_sums)
-        spanning_before = self.spanning_loads
-        filtered_before, penalized_before = schedule.filtered_groups, self.overlong_penalized
+        before = self.counters()
 
         # (1) Wait for a batch within the staleness bound (generation goes on meanwhile).
         while (taken := schedule.take_batch()) is None:
@@ -196,47 +239,45 @@ class Scheduler:
             {f"learner/{k}" if "/" not in k else k: v for k, v in learner_metrics.items()}
         )
         trained_tokens = float(batch["response_mask"].sum())
-        generated = self.tokens_generated - tokens_before
-        busy = self.pool.busy_seconds - busy_before
         metrics.update(
             {
-                "reward/verifier_errors": self.verifier_errors - errors_before,
-                # of the responses scored since the last step (what generation produced)
-                "reward/unparsed_fraction": (self.unparsed - unparsed_before)
-                / max(1, self.scored_responses - responses_before),
                 "time/wait_batch": t_batch - t_start,
                 "time/train": t_trained - t_batch,
                 "time/sync": sync_metrics.get("sync/seconds", 0.0),
                 "time/step": step_time,
                 **sync_metrics,
-                # per second of the whole step, whatever the bound, so runs compare
-                "throughput/generated_tokens_per_s": generated / step_time,
                 "throughput/trained_tokens_per_s": trained_tokens / max(t_trained - t_batch, 1e-9),
                 "throughput/samples_per_s": len(batch["rewards"]) / step_time,
                 "buffer/depth_groups": schedule.buffered,
                 "buffer/dropped_stale_groups": schedule.dropped_stale,
-                "buffer/dropped_this_step": schedule.dropped_stale - dropped_before,
-                "dynamic_sampling/filtered_groups": schedule.filtered_groups - filtered_before,
                 "dynamic_sampling/scored_groups": taken.scored_groups,
-                "reward/overlong_penalized": self.overlong_penalized - penalized_before,
                 "staleness/mean": float(staleness.float().mean()),
                 "staleness/max": int(staleness.max()),
                 "staleness/values": staleness.numpy(),
                 "generators/restarts": self.pool.restarts,
-                "generators/idle_fraction": idle_fraction(busy, self.pool.num_replicas, step_time),
                 "policy_version": self.step,
                 "data/cursor": schedule.cursor,
-                "tokens/generated": generated,
             }
         )
-        scored = max(1, self.scored_responses - responses_before)
-        for name, total in self.component_sums.items():  # e.g. reward/gsm8k/strict_format
-            metrics[f"reward/{name}"] = (total - components_before.get(name, 0.0)) / scored
-        if cfg.rollout.weight_update == "in_flight":
-            metrics["rollout/spanning_load_fraction"] = (
-                self.spanning_loads - spanning_before
-            ) / max(1, self.scored_responses - responses_before)
+        in_flight = cfg.rollout.weight_update == "in_flight"
+        replicas = self.pool.num_replicas
+        metrics.update(counter_metrics(before, self.counters(), step_time, replicas, in_flight))
         return metrics
+
+    def counters(self) -> Counters:
+        """The run's totals now (`Counters`)."""
+        return Counters(
+            busy_seconds=self.pool.busy_seconds,
+            tokens_generated=self.tokens_generated,
+            verifier_errors=self.verifier_errors,
+            unparsed=self.unparsed,
+            scored_responses=self.scored_responses,
+            components=tuple(self.component_sums.items()),
+            spanning_loads=self.spanning_loads,
+            overlong_penalized=self.overlong_penalized,
+            dropped_stale=self.schedule.dropped_stale,
+            filtered_groups=self.schedule.filtered_groups,
+        )
 
     def _groups_to_inspect(self, batch) -> list[int] | None:
         """The groups whose tokens the coming learner step keeps for the inspector, if any."""
