@@ -342,7 +342,7 @@ def run_ours(
         [r["tokens/generated"] for r in timed],
         [r["learner/tokens"] for r in timed],
     )
-    # what the run itself reports, for reference (its own definitions, see trainer.py)
+    # what the run itself reports, for reference (its own definitions, see driver/trainer.py)
     result["reported_gen_tok_s"] = statistics.mean(
         r["throughput/generated_tokens_per_s"] for r in timed
     )

@@ -34,7 +34,7 @@ def run_training(config: Config, resume: bool = False) -> dict:
     configure_driver_logging(Path(config.run.output_dir) / config.run.name)  # libraries: a file
     import ray
 
-    from cagrpo_ray.trainer import Trainer, required_cpus
+    from cagrpo_ray.driver.trainer import Trainer, required_cpus
 
     started = not ray.is_initialized()
     address = os.environ.get("RAY_ADDRESS")

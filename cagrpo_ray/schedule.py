@@ -1,7 +1,7 @@
 """The bounded-staleness schedule as a plain state machine: events in, decisions out, no Ray.
 
 `Schedule` decides *what* is generated and trained and *when*; the Ray loop that feeds it
-(`cagrpo_ray/scheduler.py`) decides nothing of the sort: it reports what happened and carries
+(`cagrpo_ray/driver/loop.py`) decides nothing of the sort: it reports what happened and carries
 out what the schedule answers. Versions: the learner's version is `step` (steps trained), a
 generator replica's is what the generator pool reports it samples its next request with.
 

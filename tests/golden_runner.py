@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.trainer import Trainer
 
 
 def run_one(config, name):

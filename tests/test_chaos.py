@@ -80,8 +80,8 @@ import ray
 from test_train import DETERMINISTIC, overrides
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -216,7 +216,7 @@ class KillingTrainer(Trainer):
         self.logged.append({"step": self.step, **metrics})
 
     def close(self):
-        if self.pool is not None and self.scheduler is not None:
+        if self.pool is not None and self.loop is not None:
             self.at_close["generator_restarts"] = self.pool.restarts
             self.at_close["versions"] = ray.get(
                 [g.policy_version.remote() for g in self.pool.actors]
@@ -242,8 +242,8 @@ class ChaosTrainer(KillingTrainer):
         self.requeued = 0  # chunks lost with their replica and requeued
         self.stopped_processes: list = []  # every actor process, when a signal stopped the run
 
-    def _new_scheduler(self):
-        scheduler = super()._new_scheduler()
+    def _new_loop(self):
+        scheduler = super()._new_loop()
         group_size = self.config.rollout.group_size
         take, lost = scheduler.schedule.buffer.take_ids, scheduler.schedule.chunk_lost
 
@@ -302,7 +302,7 @@ class ChaosTrainer(KillingTrainer):
         it here (bounded: `GeneratorPool.await_ready`'s 900 s), the learner idle and nothing
         generating, as a slow step would; the run itself resyncs it at the end of the step,
         and the fault strikes at the next."""
-        if self._due("verifier", step) and not self.scheduler.reward_refs:  # nothing scoring
+        if self._due("verifier", step) and not self.loop.reward_refs:  # nothing scoring
             pids = ray.get(self.reward_pool.__ray_call__.remote(_verifier_pids), timeout=60)
             victim = psutil.Process(pids[0])
             victim.send_signal(signal.SIGKILL)
@@ -336,7 +336,7 @@ class ChaosTrainer(KillingTrainer):
             return  # not the final evaluation's
         if finished.lost or not self._both_serving():
             return
-        if self.scheduler.coordinator.pending():
+        if self.loop.coordinator.pending():
             return
         others = {
             ref: chunk.replica
@@ -394,7 +394,7 @@ class ChaosTrainer(KillingTrainer):
             sigterm.did = f"step finished, checkpointed, resumed from step_{self.step - 1:06d}"
 
     def close(self):
-        if self.pool is not None and self.scheduler is not None:
+        if self.pool is not None and self.loop is not None:
             self.at_close["pool_restarts"] = self.pool.restarts
             if self.stop_requested:
                 self.stopped_processes = self._actor_processes()
@@ -403,7 +403,7 @@ class ChaosTrainer(KillingTrainer):
                 # at the run's next step (tests/test_train.py's RecordingTrainer).
                 self.pool.await_ready()
                 if self.pool.needs_weights_now:
-                    self.scheduler.resync()
+                    self.loop.resync()
             self.at_close["verifier_restarts"] = ray.get(
                 self.reward_pool.__ray_call__.remote(_verifier_restarts), timeout=60
             )

@@ -17,9 +17,9 @@ from short_run import CONFIG, EVAL_SIZE, HARD_SIZE, KAPPA_BAND, KAPPA_RATE, STEP
 from cagrpo_ray.algo.controllers import KappaController
 from cagrpo_ray.algo.recipe import Recipe
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.schedule import STATE_FILE, Schedule, ScheduleSettings
-from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 

@@ -8,9 +8,9 @@ import pytest
 from short_run import PROMPTS, STEPS
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.schedule import DynamicSamplingError
-from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.inspect.records import read_step
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 

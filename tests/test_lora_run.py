@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import resolve_policy
-from cagrpo_ray.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 

@@ -3,7 +3,7 @@ included), nothing imports a layer above its own, and `algo/` imports nothing el
 package.
 
 A "package" here is a top-level unit of `cagrpo_ray`: a subpackage (`cagrpo_ray.env`) or a
-top-level module (`cagrpo_ray.scheduler`). Each sits in one layer of `LAYERS`; a module may
+top-level module (`cagrpo_ray.schedule`). Each sits in one layer of `LAYERS`; a module may
 import its own package and the packages of the layers below, never one above, and another
 package of its own layer only where `SAME_LAYER_IMPORTS` lists the pair (the package-cycle
 check keeps those acyclic). A new package has to be given its layer here, and a new import
@@ -47,13 +47,13 @@ LAYERS: list[tuple[str, set[str]]] = [
             "checkpoints",
         },
     ),
-    # the roles: generators and the buffer, learners, the weight sync
-    ("roles", {"rollout", "learner", "sync"}),
+    # the roles: generators and the buffer, learners, the weight sync; and the schedule, a
+    # plain state machine (no Ray) low enough that the tools can drive it too
+    ("roles", {"rollout", "learner", "sync", "schedule"}),
     # tools composed of roles: evaluation, the memory planner
     ("tools", {"eval", "plan"}),
-    # the driver: the schedule (a plain state machine), the Ray loop that feeds it, and the
-    # trainer that composes a run
-    ("driver", {"schedule", "scheduler", "trainer"}),
+    # the driver: the Ray loop that feeds the schedule, and the trainer that composes a run
+    ("driver", {"driver"}),
     # the entry points: the command line (and its outer process) and the Python API
     ("entry", {"run", "api", "supervisor"}),
 ]
@@ -66,8 +66,7 @@ SAME_LAYER_IMPORTS: dict[tuple[str, str], str] = {
     ("policies", "data"): "a built-in policy is fine-tuned on worked solutions of its task",
     ("learner", "sync"): "learner rank 0 sends the weights",
     ("rollout", "sync"): "a generator replica receives the weights",
-    ("scheduler", "schedule"): "the Ray loop feeds the schedule",
-    ("trainer", "scheduler"): "the trainer runs the Ray loop",
+    ("schedule", "rollout"): "the schedule buffers scored groups and requeues lost chunks",
     ("run", "api"): "the command runs the Python API's training",
     ("run", "supervisor"): "the command's outer process supervises the driver",
 }
@@ -114,7 +113,7 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def package_of(module: str) -> str:
-    """`cagrpo_ray.env.episode` -> `env`; `cagrpo_ray.scheduler` -> `scheduler`; the root
+    """`cagrpo_ray.env.episode` -> `env`; `cagrpo_ray.schedule` -> `schedule`; the root
     package's `__init__` -> `cagrpo_ray`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
@@ -255,14 +254,14 @@ def test_a_package_cycle_is_found_where_no_module_cycle_is():
 
 def test_an_upward_import_is_found():
     graph = {
-        "cagrpo_ray.rollout.pool": {"cagrpo_ray.scheduler", "cagrpo_ray.env", "cagrpo_ray.types"},
+        "cagrpo_ray.rollout.pool": {"cagrpo_ray.driver.loop", "cagrpo_ray.env", "cagrpo_ray.types"},
         "cagrpo_ray.newpart": set(),
         "cagrpo_ray": {"cagrpo_ray.run"},
     }
     assert upward_imports(graph) == [
         "cagrpo_ray -> cagrpo_ray.run (the root package imports nothing but the API, lazily)",
         "cagrpo_ray.newpart: package 'newpart' has no layer in LAYERS",
-        "cagrpo_ray.rollout.pool -> cagrpo_ray.scheduler (roles imports driver)",
+        "cagrpo_ray.rollout.pool -> cagrpo_ray.driver.loop (roles imports driver)",
     ]
 
 

@@ -192,8 +192,8 @@ def test_every_key_read_is_one_the_trainer_or_learner_produces():
         *(
             string_literals(PACKAGE / path)
             for path in (
-                "trainer.py",
-                "scheduler.py",
+                "driver/trainer.py",
+                "driver/loop.py",
                 "sync/coordinator.py",
                 "rollout/batch_metrics.py",
             )

@@ -1,7 +1,7 @@
 """Reward errors a user can read (`rewards/errors.py`): the first of each kind on the console
 with its function, sample and message, a count every N steps, and every one with its sample
 in the run's `logs/reward_errors.jsonl`; and the Ray loop reporting each scored response's
-error with the sample it was for (`Scheduler._on_scored`)."""
+error with the sample it was for (`TrainingLoop._on_scored`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 
 from cagrpo_ray.config import load_config
 from cagrpo_ray.data.types import PromptItem
+from cagrpo_ray.driver.loop import TrainingLoop
 from cagrpo_ray.rewards.errors import RewardErrorLog, error_kind
 from cagrpo_ray.rewards.function import RewardResult
-from cagrpo_ray.scheduler import Scheduler
 from cagrpo_ray.types import Completion
 
 pytestmark = pytest.mark.unit
@@ -63,8 +63,8 @@ def test_the_loop_reports_each_scored_responses_error_with_its_sample(tmp_path):
     config = load_config("configs/cpu-tiny.yaml", ["rollout.group_size=2"])
     source = [PromptItem(f"data.jsonl:{i}", f"q{i}", "1") for i in range(8)]
     errors = RewardErrorLog(tmp_path / "reward_errors.jsonl")
-    scheduler = Scheduler(config, None, source, None, None, None, None, None, reward_errors=errors)
-    start = scheduler.schedule.start_chunk(2, 0)
+    loop = TrainingLoop(config, None, source, None, None, None, None, None, reward_errors=errors)
+    start = loop.schedule.start_chunk(2, 0)
     groups = [
         [Completion([1], [2, 3], [-0.1, -0.2], f"text {p}.{k}", "stop", 0) for k in range(2)]
         for p in range(2)
@@ -72,10 +72,10 @@ def test_the_loop_reports_each_scored_responses_error_with_its_sample(tmp_path):
     failed = RAISED.format(row=1)
     results = [RewardResult(1.0, True, {}), RewardResult(0.0, False, {}),
                RewardResult(1.0, True, {}), RewardResult(0.0, False, {}, error=failed)]  # fmt: skip
-    scheduler.reward_refs["ref"] = (start.chunk, groups)
-    scheduler._wait = lambda refs, what: [results]
-    scheduler._on_scored("ref")
-    assert scheduler.verifier_errors == 1
+    loop.reward_refs["ref"] = (start.chunk, groups)
+    loop._wait = lambda refs, what: [results]
+    loop._on_scored("ref")
+    assert loop.verifier_errors == 1
     (kept,) = read(tmp_path / "reward_errors.jsonl")
     assert (kept["uid"], kept["prompt_index"], kept["group_id"], kept["response_index"]) == (
         "data.jsonl:1", 1, start.chunk.group_ids[1], 1,

@@ -88,7 +88,7 @@ class _Learners:
         self.loaded.append(path)
 
 
-class _Scheduler:
+class _Loop:
     step = 0
 
     def load(self, path) -> None:
@@ -108,7 +108,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_verifies_else_sta
     checkpoint (the run starts at step 0), else the newest checkpoint that verifies."""
     from cagrpo_ray.checkpoints import write_checkpoint
     from cagrpo_ray.config import load_config
-    from cagrpo_ray.trainer import Trainer
+    from cagrpo_ray.driver.trainer import Trainer
 
     config = load_config("configs/cpu-tiny.yaml", [f"run.output_dir={tmp_path}", "run.name=r"])
     trainer = Trainer(config, resume=True)
@@ -120,7 +120,7 @@ def test_resume_auto_continues_from_the_newest_checkpoint_that_verifies_else_sta
     if damaged is not None:  # a write torn by a crash, found by the manifest's size
         model = trainer.ckpt_root / f"step_{damaged:06d}" / "learner" / "model.pt"
         model.write_bytes(model.read_bytes()[:100])
-    trainer.learners, trainer.scheduler = _Learners(), _Scheduler()
+    trainer.learners, trainer.loop = _Learners(), _Loop()
     trainer._load_latest_checkpoint()
     if expected is None:
         assert trainer.step == 0 and trainer.learners.loaded == []

@@ -252,7 +252,7 @@ class Roles:
         self.filtered: list[int] = []  # groups dynamic sampling filtered (a third of them)
         self.dispatch()
 
-    # the loop: what Scheduler._dispatch and train_step do between two events
+    # the loop: what TrainingLoop._dispatch and train_step do between two events
     def dispatch(self) -> None:
         """Start chunks, take a batch if the learner is idle, and start chunks again (a batch
         taken, or stale groups dropped, changes what may start)."""
@@ -284,7 +284,7 @@ class Roles:
             self.chunks[ready[0]].append((start, table.version(ready[0])))
 
     def resync(self) -> None:
-        """Scheduler.resync: what is generating finishes first, and the broadcast under way
+        """TrainingLoop.resync: what is generating finishes first, and the broadcast under way
         (`coordinator.finish`); then every live replica loads the learner's version."""
         for replica in range(len(self.table)):
             while self.chunks[replica]:

@@ -29,8 +29,8 @@ import ray
 import torch
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
-from cagrpo_ray.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "configs/cpu-smollm2.yaml"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cagrpo_ray.scheduler import Counters, counter_metrics
+from cagrpo_ray.driver.loop import Counters, counter_metrics
 
 pytestmark = pytest.mark.unit
 

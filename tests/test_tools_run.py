@@ -76,14 +76,14 @@ class TableTrainer(RecordingTrainer):
     def setup(self):
         super().setup()
         self.tables = []
-        take = self.scheduler.schedule.buffer.take_ids
+        take = self.loop.schedule.buffer.take_ids
 
         def keeping_take(*args, **kwargs):
             table = take(*args, **kwargs)
             self.tables.append(table)
             return table
 
-        self.scheduler.schedule.buffer.take_ids = keeping_take
+        self.loop.schedule.buffer.take_ids = keeping_take
 
 
 @pytest.fixture(scope="module")

@@ -40,10 +40,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
 from cagrpo_ray.policies.build import resolve_policy
 from cagrpo_ray.schedule import admissible_groups
-from cagrpo_ray.trainer import Trainer
 
 STEPS = 30
 PROMPTS = 16
@@ -104,7 +104,7 @@ class RecordingTrainer(Trainer):
 
     def setup(self):
         super().setup()
-        buffer, group_size = self.scheduler.schedule.buffer, self.config.rollout.group_size
+        buffer, group_size = self.loop.schedule.buffer, self.config.rollout.group_size
         take = buffer.take_ids
 
         def recording_take(*args, **kwargs):
@@ -132,13 +132,13 @@ class RecordingTrainer(Trainer):
         ray.kill(victim, no_restart=False)
 
     def close(self):
-        if self.pool is not None and self.scheduler is not None:
+        if self.pool is not None and self.loop is not None:
             self.at_close["restarts"] = self.pool.restarts
             self.pool.await_ready()
             # The run goes on without a lost replica; one back after the last step rejoins at
             # the next resync, as it would at the run's next step.
             if self.pool.needs_weights_now:
-                self.scheduler.resync()
+                self.loop.resync()
             self.at_close["versions"] = ray.get(
                 [g.policy_version.remote() for g in self.pool.actors]
             )

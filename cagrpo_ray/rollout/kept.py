@@ -9,7 +9,7 @@ and one whose config differs ends them and starts its own, which it keeps in tur
 ends the last set with `close()`.
 
 Nothing a run learns stays in a kept replica: each run forms its own weight-sync group with
-them and loads its learner's weights before its first request (`Scheduler.start`), which also
+them and loads its learner's weights before its first request (`TrainingLoop.start`), which also
 resets the prefix cache, and every request carries its own seed (`schedule.step_seed`), so a
 run's samples are those it would draw from replicas of its own. The replicas keep writing to
 the log folder of the run that started them.

@@ -1,4 +1,4 @@
-"""The Ray loop's dispatch (`Scheduler._pump`) when a weight load settles while it runs.
+"""The Ray loop's dispatch (`TrainingLoop._pump`) when a weight load settles while it runs.
 
 A weight load can finish between the dispatch's check for replicas that need weights and its
 look for available ones (the pool settles finished loads on every look). When that load failed
@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from cagrpo_ray.config import load_config
-from cagrpo_ray.scheduler import Scheduler
+from cagrpo_ray.driver.loop import TrainingLoop
 
 pytestmark = pytest.mark.unit
 
@@ -79,29 +79,29 @@ class Coordinator:
         self.pool.behind.clear()
 
 
-def scheduler_at_step_1(bound: int) -> tuple[Scheduler, RacingPool, Coordinator]:
+def loop_at_step_1(bound: int) -> tuple[TrainingLoop, RacingPool, Coordinator]:
     config = load_config("configs/cpu-tiny.yaml", [f"run.max_staleness={bound}"])
     pool = RacingPool()
     coordinator = Coordinator(pool)
-    scheduler = Scheduler(config, None, range(64), pool, None, None, coordinator, None)
-    scheduler.schedule.step = 1  # one step trained; its groups all taken
-    scheduler.schedule.next_group_id = config.rollout.prompts_per_step
-    scheduler._submit = lambda replica, start: pool.submit(replica, None, None, start.chunk)
-    return scheduler, pool, coordinator
+    loop = TrainingLoop(config, None, range(64), pool, None, None, coordinator, None)
+    loop.schedule.step = 1  # one step trained; its groups all taken
+    loop.schedule.next_group_id = config.rollout.prompts_per_step
+    loop._submit = lambda replica, start: pool.submit(replica, None, None, start.chunk)
+    return loop, pool, coordinator
 
 
 def test_a_load_that_failed_during_the_dispatch_is_resynced_and_work_goes_out():
-    scheduler, pool, coordinator = scheduler_at_step_1(bound=0)
+    loop, pool, coordinator = loop_at_step_1(bound=0)
     pool.settles_failed_loads_next = True
-    refs = scheduler._dispatch_then_waitable(None)
+    refs = loop._dispatch_then_waitable(None)
     assert coordinator.resyncs == [1]  # replica 0 brought back to the learner's version
     assert refs and pool.submitted and all(v == 1 for _, v in pool.submitted)
     assert {r for r, _ in pool.submitted} == {0}  # nothing to the lost replica
 
 
 def test_with_nothing_to_resync_and_nothing_admitted_the_loop_still_says_so():
-    scheduler, pool, coordinator = scheduler_at_step_1(bound=0)
+    loop, pool, coordinator = loop_at_step_1(bound=0)
     pool.versions = [0, 0]  # both behind the bound, and (wrongly) not marked as needing weights
     with pytest.raises(RuntimeError, match="nothing in flight.*versions \\[0, 0\\]"):
-        scheduler._pump()
+        loop._pump()
     assert coordinator.resyncs == []

@@ -114,7 +114,7 @@ def counter_metrics(
     return metrics
 
 
-class Scheduler:
+class TrainingLoop:
     """The training loop of one run: `train_step()` is one learner step; `save`/`load` keep
     its state in a checkpoint directory.
 

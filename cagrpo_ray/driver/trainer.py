@@ -1,7 +1,7 @@
 """One training run from start to end: build the roles, evaluate, train, checkpoint, report.
 
 `Trainer` composes the roles from a `Config` (each a plain class that Ray wraps) and hands
-them to the one `Scheduler`, which runs the steps (its bound `run.max_staleness` decides how
+them to the one `TrainingLoop`, which runs the steps (its bound `run.max_staleness` decides how
 far generation runs ahead of training; 0 is the synchronous schedule):
 
     prompts ─> GeneratorPool (G samples each) ─> reward pool ─> RolloutBuffer
@@ -36,6 +36,7 @@ from cagrpo_ray.checkpoints import latest_checkpoint, write_checkpoint
 from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, log_dir, redirected
 from cagrpo_ray.data.prompts import prompt_preamble
+from cagrpo_ray.driver.loop import TrainingLoop, sampling_config
 from cagrpo_ray.env.episode import environment_options
 from cagrpo_ray.learner.group import LearnerGroupError
 from cagrpo_ray.learner.restarts import LearnerRestarts
@@ -48,7 +49,6 @@ from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.kept import KeptGenerators, replica_key
 from cagrpo_ray.rollout.pool import GeneratorPool
-from cagrpo_ray.scheduler import Scheduler, sampling_config
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
 log = logging.getLogger("cagrpo_ray")
@@ -100,7 +100,7 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.log_dir = log_dir(self.run_dir)  # each actor's output: generator-0.log, ...
         self.resume = resume
-        self.scheduler: Scheduler | None = None
+        self.loop: TrainingLoop | None = None
         self.checkpointed_step: int | None = None  # step of the newest checkpoint on disk
         self.stop_requested = False
         self.stop_signal: int | None = None  # the signal that stopped the run, if one did
@@ -116,7 +116,7 @@ class Trainer:
 
     @property
     def step(self) -> int:
-        return self.scheduler.step if self.scheduler is not None else 0
+        return self.loop.step if self.loop is not None else 0
 
     # ------------------------------------------------------------------------ set-up
 
@@ -202,7 +202,7 @@ class Trainer:
                 self.learners = None if failed else learners.result()
             if failed:
                 raise failed
-        self.scheduler = self._new_scheduler()
+        self.loop = self._new_loop()
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
 
@@ -218,7 +218,7 @@ class Trainer:
             log.info("token inspector at %s (the newest inspected step)", self.inspector.url)
         if self.resume:
             self._load_latest_checkpoint()
-        self.scheduler.start()
+        self.loop.start()
 
     def _learner_group(self):
         """The learner ranks, each with the initial policy (`LearnerGroup`)."""
@@ -235,7 +235,7 @@ class Trainer:
             shard_by=cfg.learner.shard_by,
         )
 
-    def _new_scheduler(self) -> Scheduler:
+    def _new_loop(self) -> TrainingLoop:
         """The schedule at step 0 over the run's roles, with a weight-sync coordinator from
         `self.learners` to the generator pool (the sync group is formed by its `start()`)."""
         cfg = self.config
@@ -250,7 +250,7 @@ class Trainer:
         )
         inspect = self.run_dir if cfg.metrics.inspect_every else None
         errors = RewardErrorLog(self.log_dir / ERRORS_FILE)
-        return Scheduler(
+        return TrainingLoop(
             cfg, self.tokenizer, self.train_source, self.pool, self.reward_pool,
             self.learners, coordinator, self._wait, inspect_dir=inspect, reward_errors=errors,
         )  # fmt: skip
@@ -322,7 +322,7 @@ class Trainer:
 
         cfg = self.config
         reward_fn = _RemoteRewardFunction(self.reward_pool)
-        engine = _PoolEngine(self.pool, self.scheduler)
+        engine = _PoolEngine(self.pool, self.loop)
 
         def at(items, temperature: float, details: bool) -> dict:
             samples = 1 if temperature == 0 else cfg.eval.samples  # greedy: one answer
@@ -394,10 +394,10 @@ class Trainer:
                     self._recover_learners(lost)
                     lost = None
                 while self.step < cfg.run.steps and not self.stop_requested:
-                    self._log_step(self.scheduler.train_step())
+                    self._log_step(self.loop.train_step())
                     if cfg.run.checkpoint_every and self.step % cfg.run.checkpoint_every == 0:
                         self.save_checkpoint()
-                self.scheduler.finish_rollouts()
+                self.loop.finish_rollouts()
                 if self.checkpointed_step != self.step:  # the periodic save may have just run
                     self.save_checkpoint()
                 return
@@ -447,7 +447,7 @@ class Trainer:
             self.learners.save_checkpoint(str(path / "learner"))
             if self.config.run.save_policy == "checkpoints":
                 self.learners.save_hf(str(path / POLICY_DIR))
-            self.scheduler.save(path)
+            self.loop.save(path)
         path = self.ckpt_root / name
         self.checkpointed_step = self.step
         log.info("checkpoint %s", path)
@@ -459,7 +459,7 @@ class Trainer:
             log.info("no checkpoint under %s; starting from step 0", self.ckpt_root)
             return
         self.learners.load_checkpoint(str(path / "learner"))
-        self.scheduler.load(path)
+        self.loop.load(path)
         self.checkpointed_step = self.step
         log.info("resumed from %s (step %d)", path, self.step)
 
@@ -483,17 +483,17 @@ class Trainer:
         )  # fmt: skip
         # What the old schedule has in flight ends and is dropped: its weight sync (from a
         # sender that may be gone: each receive fails within sync.timeout_s) and the chunks
-        # being generated. Scoring in flight finishes on its own; the old scheduler, which
+        # being generated. Scoring in flight finishes on its own; the old loop, which
         # alone waits for it, is dropped too.
-        in_sync = self.scheduler.coordinator.pending()
+        in_sync = self.loop.coordinator.pending()
         if in_sync:
             ray.wait(in_sync, num_returns=len(in_sync), timeout=cfg.sync.timeout_s)
         self.pool.drain()
         self.learners.shutdown()  # every rank: a DeepSpeed group cannot be repaired rank by rank
         self.learners = self._learner_group()
-        self.scheduler = self._new_scheduler()
+        self.loop = self._new_loop()
         self._load_latest_checkpoint()
-        self.scheduler.start()  # a sync group with the live generators, and its weights
+        self.loop.start()  # a sync group with the live generators, and its weights
         self.metrics.truncate_after(self.step)
         log.warning(
             "learner group rebuilt in %.1f s; continuing from step %d (%d trained steps to "
@@ -533,14 +533,14 @@ class Trainer:
 class _PoolEngine:
     """The generator pool as the evaluation harness's engine, between training steps: what
     the run has in flight lands first, and a replica that needs weights is resynced by the
-    scheduler (which knows the learner's version) before it serves."""
+    loop (which knows the learner's version) before it serves."""
 
-    def __init__(self, pool: GeneratorPool, scheduler: Scheduler):
-        self.pool, self.scheduler = pool, scheduler
+    def __init__(self, pool: GeneratorPool, loop: TrainingLoop):
+        self.pool, self.loop = pool, loop
 
     def generate(self, prompts: list[list[int]], sampling):
-        self.scheduler.finish_rollouts()
-        return self.pool.generate(prompts, sampling, resync=self.scheduler.resync)
+        self.loop.finish_rollouts()
+        return self.pool.generate(prompts, sampling, resync=self.loop.resync)
 
 
 class _RemoteRewardFunction:
