@@ -10,23 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from cagrpo_ray.algo import (
-    ADVANTAGE_ESTIMATORS,
-    CONTROLLERS,
-    GROUP_FILTERS,
-    POLICY_LOSSES,
-    REWARD_SHAPINGS,
-    TOKEN_MASKS,
-)
+from cagrpo_ray.algo import REGISTRIES
 
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "cagrpo_ray"
 ALLOWED = ("algo", "config")  # where the names are defined and selected
-NAMES = {
-    *POLICY_LOSSES, *ADVANTAGE_ESTIMATORS, *REWARD_SHAPINGS, *GROUP_FILTERS, *TOKEN_MASKS,
-    *CONTROLLERS,
-}  # fmt: skip
+NAMES = {name for registry in REGISTRIES for name in registry}
 # an operand that reads one of these is an algorithm choice, whatever string it meets
 ALGORITHM_READS = ("algorithm", "policy_loss", "advantage_estimator")
 

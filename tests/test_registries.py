@@ -13,10 +13,8 @@ import torch
 
 from cagrpo_ray.algo import (
     ADVANTAGE_ESTIMATORS,
-    CONTROLLERS,
     GROUP_FILTERS,
-    POLICY_LOSSES,
-    REWARD_SHAPINGS,
+    REGISTRIES,
     TOKEN_MASKS,
     Recipe,
     register_advantage_estimator,
@@ -28,10 +26,6 @@ from cagrpo_ray.config import ConfigError, load_config
 from cagrpo_ray.config import plugins as plugin_loader
 
 pytestmark = pytest.mark.unit
-
-REGISTRIES = (
-    ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPINGS, GROUP_FILTERS, TOKEN_MASKS, CONTROLLERS,
-)  # fmt: skip
 
 
 @pytest.fixture

@@ -51,6 +51,11 @@ from cagrpo_ray.algo.stats import (
     format_covariance_table,
 )
 
+# every registry of the algorithm, one `Registry` each (`registries.py`)
+REGISTRIES = (
+    ADVANTAGE_ESTIMATORS, POLICY_LOSSES, REWARD_SHAPINGS, GROUP_FILTERS, TOKEN_MASKS, CONTROLLERS,
+)  # fmt: skip
+
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CONTROLLERS",
@@ -60,6 +65,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "LR_SCHEDULES",
     "POLICY_LOSSES",
+    "REGISTRIES",
     "REWARD_SHAPINGS",
     "TOKEN_MASKS",
     "GroupOutcome",
