@@ -1,8 +1,9 @@
 """One training run from start to end: build the roles, evaluate, train, checkpoint, report.
 
-`Trainer` composes the roles from a `Config` (each a plain class that Ray wraps) and hands
-them to the one `TrainingLoop`, which runs the steps (its bound `run.max_staleness` decides how
-far generation runs ahead of training; 0 is the synchronous schedule):
+`Trainer` has the roles started from a `Config` (`roles.build_roles`: each a plain class that
+Ray wraps) and hands them to the one `TrainingLoop`, which runs the steps (its bound
+`run.max_staleness` decides how far generation runs ahead of training; 0 is the synchronous
+schedule):
 
     prompts ─> GeneratorPool (G samples each) ─> reward pool ─> RolloutBuffer
             ─> LearnerGroup.train_step ─> WeightSyncCoordinator (learner rank 0 ─> replicas)
@@ -22,11 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import signal
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,10 +33,10 @@ import ray
 
 from cagrpo_ray.checkpoints import latest_checkpoint, write_checkpoint
 from cagrpo_ray.config import Config
-from cagrpo_ray.console import actor_env, log_dir, redirected
+from cagrpo_ray.console import log_dir
 from cagrpo_ray.data.prompts import prompt_preamble
 from cagrpo_ray.driver.loop import TrainingLoop, sampling_config
-from cagrpo_ray.env.episode import environment_options
+from cagrpo_ray.driver.roles import Roles, build_roles
 from cagrpo_ray.learner.group import LearnerGroupError
 from cagrpo_ray.learner.restarts import LearnerRestarts
 from cagrpo_ray.metrics.jsonl import MetricsLog, read_metrics
@@ -45,9 +44,7 @@ from cagrpo_ray.metrics.plots import plot_run, summarize
 from cagrpo_ray.metrics.trackers import Trackers
 from cagrpo_ray.placement import Placement
 from cagrpo_ray.rewards.errors import ERRORS_FILE, RewardErrorLog
-from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
-from cagrpo_ray.rollout.generator import GeneratorActor
-from cagrpo_ray.rollout.kept import KeptGenerators, replica_key
+from cagrpo_ray.rollout.kept import KeptGenerators
 from cagrpo_ray.rollout.pool import GeneratorPool
 from cagrpo_ray.sync.coordinator import WeightSyncCoordinator
 
@@ -67,21 +64,6 @@ def required_cpus(config: Config) -> float:
         + lcfg.num_learners * lcfg.num_cpus_per_learner
         + config.reward.num_cpus
     )
-
-
-def check_plan(config: Config) -> None:
-    """The planner's check (`python -m cagrpo_ray.plan`) against the cluster the run joined:
-    raises `PlanError` naming the GPU and the component that does not fit, or the tensor-
-    parallel size the model's heads do not allow. A model whose shape cannot be read (a hub
-    model out of reach) is not planned, with a warning."""
-    from cagrpo_ray.plan import ClusterShape, ModelShapeError, check, render
-
-    gpus = config.rollout.num_gpus_per_generator or config.learner.num_gpus_per_learner
-    cluster = ClusterShape.from_ray(config.cluster.gpu_memory_gib) if gpus else None
-    try:
-        log.info("plan:\n%s", render(check(config, cluster, online=True)))
-    except ModelShapeError as exc:
-        log.warning("no memory plan: %s", exc)
 
 
 class Trainer:
@@ -109,10 +91,32 @@ class Trainer:
         self.exporter = None
         self.trackers = Trackers([])  # metrics.loggers: W&B, MLflow, TensorBoard
         self.inspector = None  # the live token inspector's server
-        self.pool: GeneratorPool | None = None
-        self.reward_pool = None
-        self.learners = None
-        self.placement: Placement | None = None
+        self.roles = Roles()  # the actors: verifiers, placement, generator pool, learners
+
+    # the roles, as `build_roles` starts them (and a recovery replaces the learners)
+    @property
+    def pool(self) -> GeneratorPool | None:
+        return self.roles.pool
+
+    @pool.setter
+    def pool(self, pool: GeneratorPool | None) -> None:
+        self.roles.pool = pool
+
+    @property
+    def learners(self):
+        return self.roles.learners
+
+    @learners.setter
+    def learners(self, learners) -> None:
+        self.roles.learners = learners
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.roles.placement
+
+    @property
+    def reward_pool(self):
+        return self.roles.reward_pool
 
     @property
     def step(self) -> int:
@@ -124,7 +128,6 @@ class Trainer:
         from transformers import AutoTokenizer
 
         from cagrpo_ray.policies.build import resolve_policy
-        from cagrpo_ray.rewards import RewardFunction, load_reward_functions
 
         cfg = self.config
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -146,62 +149,10 @@ class Trainer:
             len(self.eval_items),
         )
 
-        # imported and signature-checked here, so that a bad one stops the run before it trains
-        functions = {n: f.spec for n, f in load_reward_functions(cfg.reward.functions).items()}
-        reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
-        self.reward_pool = reward_actor.options(
-            runtime_env={"env_vars": actor_env(self.log_dir, "reward")}
-        ).remote(
-            weights=cfg.reward.weights,
-            timeout_s=cfg.reward.timeout_s,
-            num_workers=cfg.reward.num_workers,
-            functions=functions,
-            on_error=cfg.reward.on_error,
-        )
-        # Memory and layout are checked, then every actor's GPUs and CPUs are reserved (or the
-        # layout refused), before any actor starts.
-        check_plan(cfg)
-        kept, replicas = self.kept_generators, range(cfg.rollout.num_generators)
-        key = replica_key(cfg, self.model_path, [self._cpu_env(r) for r in replicas])
-        reuse = kept is not None and kept.fits(key)
-        if kept is not None and not reuse:
-            kept.close()  # replicas started otherwise: their CPUs and GPUs go to this run's
-        self.placement = Placement(cfg, timeout_s=cfg.run.placement_timeout_s, generators=not reuse)
-        if reuse:
-            generators = list(kept.actors)
-            log.info("%d generator replicas kept up from the run before", len(generators))
-        else:
-            generators = [
-                GeneratorActor.options(
-                    **self.placement.generator(replica),
-                    runtime_env={"env_vars": self._generator_env(replica)},
-                ).remote(
-                    replica,
-                    cfg.rollout.engine,
-                    self.model_path,
-                    engine_options(cfg, replica),
-                    environment_options(cfg),
-                )
-                for replica in replicas
-            ]
-            if kept is not None:
-                kept.hold(generators, self.placement.hand_over_generators(), key)
-        self.pool = GeneratorPool(
-            generators,
-            cfg.rollout.chunk_prompts,
-            cfg.run.wait_warn_s,
-            max_prompts_in_flight=cfg.rollout.max_prompts_in_flight,
-        )
-        # The learner ranks start while the replicas load (each takes tens of seconds).
-        with ThreadPoolExecutor(1, thread_name_prefix="learner-start") as start:
-            learners = start.submit(self._learner_group)
-            try:
-                self._wait([g.ready.remote() for g in generators], "generator replicas to start")
-            finally:  # a failed replica still leaves the started ranks to close()
-                failed = learners.exception()
-                self.learners = None if failed else learners.result()
-            if failed:
-                raise failed
+        build_roles(
+            cfg, self.model_path, self.log_dir, self.kept_generators, self._learner_group,
+            self._wait, self.roles,
+        )  # fmt: skip
         self.loop = self._new_loop()
         if cfg.metrics.enabled:
             from cagrpo_ray.metrics.prometheus import PrometheusExporter
@@ -300,16 +251,6 @@ class Trainer:
         ):
             exclude["sft"] = spec.sft_size
         return exclude
-
-    def _generator_env(self, replica: int) -> dict:
-        env = {"VLLM_LOGGING_LEVEL": "INFO", **actor_env(self.log_dir, f"generator-{replica}")}
-        return {**env, **self._cpu_env(replica)}
-
-    def _cpu_env(self, replica: int) -> dict:
-        """The environment of CPU replica `replica` (its OpenMP threads' cores); {} on GPUs."""
-        if self.config.rollout.num_gpus_per_generator > 0:
-            return {}
-        return cpu_engine_env(self.config.rollout, replica, os.cpu_count() or 1)
 
     # --------------------------------------------------------------------- the run
 
@@ -426,16 +367,7 @@ class Trainer:
         if self.inspector is not None:
             self.inspector.close()
             self.inspector = None
-        if self.learners is not None:
-            self.learners.shutdown()
-        kept = self.kept_generators
-        actors = list(self.pool.actors) if self.pool is not None and kept is None else []
-        for actor in [*actors, self.reward_pool]:
-            if actor is not None:
-                ray.kill(actor, no_restart=True)
-        if self.placement is not None:
-            self.placement.remove()
-        self.reward_pool, self.learners, self.placement = None, None, None
+        self.roles.close(keep_generators=self.kept_generators is not None)
 
     # ------------------------------------------------------------------- checkpoints
 
