@@ -371,6 +371,11 @@ class GeneratorPool:
                 if self._loads:  # an idle replica is loading: wait for its load
                     ray.wait(list(self._loads.values()), num_returns=1)
                     continue
+                if not self.needs_weights_now and self._probes:
+                    # only lost replicas: a resync reaches one once Ray has restarted it
+                    log.warning("waiting for a generator replica to restart before generating")
+                    ray.wait(list(self._probes.values()), num_returns=1, timeout=self.wait_warn_s)
+                    continue
                 stale = self.table.in_phase(Phase.LOST, Phase.RESTARTED)
                 if not stale or resync is None:
                     raise RuntimeError(

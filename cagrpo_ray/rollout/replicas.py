@@ -6,11 +6,13 @@ of which checks the phase it leaves:
     phase       serves?  what it is                                   leaves by
     READY       yes      samples with `version`                       start_load, lose
     LOADING     no       a weight load is under way (`load`)          load_done, load_failed, lose
+                                                                      (start_load: a load after it)
     LOST        no       died; Ray has not restarted it yet           back, lose
     RESTARTED   no       back, with its initial weights               start_load, lose
 
     start_load(r, v)   READY | RESTARTED -> LOADING; r samples with v once it has loaded
-                       (LOST: nothing changes, the load cannot reach it; False is returned)
+                       (LOADING: the new load follows the unreported one; LOST: nothing
+                       changes, the load cannot reach it, and False is returned)
     load_done(r, v)    LOADING with a load of v -> READY at v (anything else: ignored, the
                        load no longer holds: r was lost since it began)
     load_failed(r)     LOADING -> the phase and version it had before the load, `behind` if it
@@ -83,12 +85,18 @@ class ReplicaTable:
     # ---------------------------------------------------------------- transitions
 
     def start_load(self, replica: int, version: int) -> bool:
-        """`replica` begins loading `version`; False (nothing changes) if it is LOST."""
+        """`replica` begins loading `version`; False (nothing changes) if it is LOST. A load
+        started while another is unreported follows it (a replica loads in call order): it
+        leaves what the earlier one left, at the earlier one's version."""
         r = self.replicas[replica]
         if r.phase is Phase.LOST:
             return False
-        self._leaving(replica, Phase.READY, Phase.RESTARTED)
-        r.load = Load(version, r.version, r.phase, r.behind)
+        if r.phase is Phase.LOADING:
+            earlier = r.load
+            r.load = Load(version, earlier.version, earlier.before_phase, earlier.before_behind)
+        else:
+            self._leaving(replica, Phase.READY, Phase.RESTARTED)
+            r.load = Load(version, r.version, r.phase, r.behind)
         r.phase, r.version = Phase.LOADING, version
         return True
 
