@@ -149,6 +149,7 @@ def build_roles(
         learners = start.submit(start_learners)
         try:
             wait([g.ready.remote() for g in generators], "generator replicas to start")
+            wait([roles.reward_pool.wait_ready.remote()], "verifier workers to start")
         finally:  # a failed replica still leaves the started ranks to close()
             failed = learners.exception()
             roles.learners = None if failed else learners.result()

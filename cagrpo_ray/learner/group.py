@@ -87,9 +87,6 @@ class LearnerActor:
     def take_inspection(self) -> dict:
         return self.learner.take_inspection()
 
-    def state_dict_for_sync(self) -> dict[str, torch.Tensor]:
-        return self.learner.state_dict_for_sync()
-
     def save_checkpoint(self, ckpt_dir: str, client_state: dict) -> None:
         self.learner.save_checkpoint(ckpt_dir, client_state)
 
@@ -241,13 +238,10 @@ class LearnerGroup:
         self._batch_groups = torch.unique_consecutive(batch["group_ids"]).tolist()
         return shards
 
-    def collect_sync_weights(self) -> dict[str, torch.Tensor]:
-        """Full parameters by HF name (under LoRA the adapter's, by PEFT's names), from rank 0
-        (every rank takes part in the gathers)."""
-        return self._call_all("state_dict_for_sync")[0]
-
     def foreach_learner(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """`fn(learner, *args)` on every rank concurrently; the results in rank order."""
+        """`fn(learner, *args)` on every rank concurrently; the results in rank order (as
+        RLlib's `LearnerGroup.foreach_learner`: to look inside the ranks, e.g. their whole
+        parameters under ZeRO-3, or the weights a sync sends)."""
         return self._call_all("apply", args_per_rank=[(fn, *args)] * self.num_learners)
 
     def save_checkpoint(self, ckpt_dir: str, client_state: dict | None = None) -> None:

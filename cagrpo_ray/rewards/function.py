@@ -174,6 +174,12 @@ class RewardFunction:
             )
         return results
 
+    def wait_ready(self, timeout_s: float = 600.0) -> None:
+        """Block until every verifier worker has started (its imports done): the run waits
+        for it before its first step, so that a worker that cannot start stops the run there
+        and the first step's time is not the workers' start."""
+        self.pool.wait_ready(timeout_s)
+
     def close(self) -> None:
         """Stop the verifier processes."""
         self.pool.close()

@@ -227,9 +227,6 @@ class GeneratorPool:
         """Object refs of the chunks in flight (to `ray.wait` on, with anything else)."""
         return list(self._in_flight)
 
-    def in_flight_tags(self) -> list:
-        return [chunk.tag for chunk in self._in_flight.values()]
-
     def owns(self, ref) -> bool:
         return ref in self._in_flight
 
