@@ -1,9 +1,13 @@
-"""The examples of bringing one's own task (`examples/`), run as a user runs them: the data
-script, then `python -m cagrpo_ray.run --config examples/<name>/config.yaml`, on SmolLM2-135M-
-Instruct, one step each, responses cut at 48 tokens (a step was ~48 s at the examples' 128,
-nearly all of it generation: both tests took 347 s at two steps of 128 tokens, 220 s at two of
-48). One step trains, syncs the trained weights into the replica that then evaluates, and
-inspects 16 responses: everything checked here; a second step repeated it.
+"""The examples of bringing one's own task (`examples/`): the data script, then each example's
+`config.yaml` trained as `python -m cagrpo_ray.run --config examples/<name>/config.yaml` trains
+it (its driver: `load_config`, then `Trainer.run`; the command around it is
+tests/test_run_exits.py's and tests/test_smollm2_run.py's), on SmolLM2-135M-Instruct, one step
+each, responses cut at 48 tokens (a step was ~48 s at the examples' 128, nearly all of it
+generation: both tests took 347 s at two steps of 128 tokens, 220 s at two of 48). Both run on
+the tests' Ray cluster, on one vLLM replica that the first example's run starts and the
+second's takes as it is (`KeptGenerators`: the two configs start their replica alike), a
+SmolLM2 start fewer. One step trains, syncs the trained weights into the replica that then
+evaluates, and inspects 16 responses: everything checked here; a second step repeated it.
 
 Each run must train without a verifier error, render the dataset's chat messages with the
 model's template, log the reward function's own components, evaluate with the function, and
@@ -22,6 +26,8 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from cagrpo_ray.config import load_config
+from cagrpo_ray.driver.trainer import Trainer
 from cagrpo_ray.metrics.jsonl import read_metrics
 
 pytestmark = pytest.mark.integration
@@ -50,7 +56,7 @@ def example_data(tmp_path_factory) -> Path:
     return out
 
 
-def train(example: str, data: Path, out: Path) -> Path:
+def train(example: str, data: Path, out: Path, kept) -> Path:
     overrides = [
         f"run.output_dir={out}", f"run.steps={STEPS}",
         f"data.path={data / example / 'train.parquet'}",
@@ -62,12 +68,8 @@ def train(example: str, data: Path, out: Path) -> Path:
         f"rollout.max_tokens={MAX_TOKENS}",
         "metrics.inspect_every=1", "metrics.inspect_groups=4",
     ]  # fmt: skip
-    command = [sys.executable, "-m", "cagrpo_ray.run", "--config",
-               f"examples/{example}/config.yaml"]  # fmt: skip
-    for override in overrides:
-        command += ["--set", override]
-    run = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    config = load_config(REPO / "examples" / example / "config.yaml", overrides)
+    Trainer(config, kept_generators=kept).run()
     [run_dir] = [path for path in out.iterdir() if (path / "summary.json").exists()]
     return run_dir
 
@@ -94,8 +96,8 @@ def check_run(run_dir: Path, function_name: str) -> tuple[dict, list[dict]]:
     return summary, responses
 
 
-def test_verl_parquet_and_compute_score_train_smollm2(example_data, tmp_path):
-    run_dir = train("verl_gsm8k", example_data, tmp_path)
+def test_verl_parquet_and_compute_score_train_smollm2(example_data, tmp_path, kept_generators):
+    run_dir = train("verl_gsm8k", example_data, tmp_path, kept_generators)
     summary, responses = check_run(run_dir, "gsm8k")
     metrics = read_metrics(run_dir / "metrics.jsonl")
     assert all(0 <= m["reward/gsm8k/strict_format"] <= 1 for m in metrics)  # the dict's key
@@ -114,8 +116,10 @@ def test_verl_parquet_and_compute_score_train_smollm2(example_data, tmp_path):
         assert response["reward"] == expected["score"], text
 
 
-def test_trl_conversational_dataset_and_function_train_smollm2(example_data, tmp_path):
-    run_dir = train("trl_conversational", example_data, tmp_path)
+def test_trl_conversational_dataset_and_function_train_smollm2(
+    example_data, tmp_path, kept_generators
+):
+    run_dir = train("trl_conversational", example_data, tmp_path, kept_generators)
     summary, responses = check_run(run_dir, "accuracy")
     accuracy_reward = load(REPO / "examples/trl_conversational/reward.py", "accuracy_reward")
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "policy")
