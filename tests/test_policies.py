@@ -206,6 +206,7 @@ def test_load_policy_takes_a_directory_and_passes_hub_names_through(random_dir):
 def test_preset_name_resolves_to_the_cached_build(monkeypatch, tmp_path):
     built = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(build, "SHIPPED", tmp_path / "none shipped")  # a preset that is built
 
     def fake_build(spec, out_dir, **_):
         built.append(spec)

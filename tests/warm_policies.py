@@ -4,9 +4,9 @@
 
 `make test` starts this in the background at a low CPU priority (nice 15: above the `beside`
 tests' 19, below every other test's 0) as soon as the venv is installed. On a machine whose
-policy cache is empty, the `chain_sum` preset (~190 s of one core) and
-`tests/test_tools_run.py`'s cut-short `chain_sum_tools` build (~50 s) would otherwise be built
-inside the first tests that load them, while the other core idles; niced, they take only the
+policy cache is empty, `tests/test_tools_run.py`'s cut-short `chain_sum_tools` build (~50 s of
+one core; the `chain_sum` preset ships with the package, and resolves at once) would be built
+inside the first test that loads it, while the other core idles; niced, it takes only the
 CPU time that the unit tier and the first integration modules leave idle, and the modules
 that load them run last (the `preset` marker, ordered in `conftest.py`). A test
 that needs a build still in progress waits on the cache's lock and reads it when it lands, as

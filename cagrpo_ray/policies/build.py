@@ -7,6 +7,16 @@ model, warm-started by supervised fine-tuning on R1-format worked solutions of t
 procedural data, then measured on held-out prompts. A build is cached under
 `$XDG_CACHE_HOME/cagrpo_ray/policies/<task>-<hash of the spec>` (default `~/.cache`) and reused
 by every later `ensure_policy` of the same spec.
+
+The default preset's build ships with the package (`policies/shipped/<key>/`, 7 MB: its 229 s
+of one core is what a newcomer's first `make train` waited for, and every machine starts from
+the same weights): `ensure_policy` takes it as it is while the spec's key is the shipped one's.
+A change to the recipe changes the key, and the preset is built again until it is re-shipped:
+
+    python -m cagrpo_ray.policies.build --task chain_sum --ship
+
+`tests/test_shipped_policy.py` checks that the shipped build is the current key's and that a
+rebuild reproduces its weights bit for bit on a CPU of the capability it was built on.
 """
 
 from __future__ import annotations
@@ -230,12 +240,44 @@ def _build(spec: PolicySpec, out_dir: Path, progress: bool) -> Path:
     return out
 
 
+SHIPPED = Path(__file__).parent / "shipped"  # builds that ship with the package, by key
+SHIPPED_INFO = "shipped.json"  # the machine that built a shipped policy, and its weights' sha256
+
+
+def shipped_policy(spec: PolicySpec) -> Path | None:
+    """The shipped build of `spec` (module docstring), or None."""
+    path = SHIPPED / spec.key()
+    return path if (path / BUILD_INFO).is_file() else None
+
+
+def ship_policy(spec: PolicySpec, built: Path) -> Path:
+    """Copy the build of `spec` at `built` into the package's shipped builds, with the machine
+    that built it (its CPU capability decides which machines can rebuild it bit for bit)."""
+    out = SHIPPED / spec.key()
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(built, out)
+    weights = (out / "model.safetensors").read_bytes()
+    facts = {
+        "key": spec.key(),
+        "model_sha256": hashlib.sha256(weights).hexdigest(),
+        "torch": torch.__version__,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": json.loads((out / BUILD_INFO).read_text()).get("threads"),
+    }
+    (out / SHIPPED_INFO).write_text(json.dumps(facts, indent=2) + "\n")
+    return out
+
+
 def ensure_policy(spec: PolicySpec, *, progress: bool = True, threads: int | None = None) -> Path:
-    """The cached build of `spec`, building it first when the cache does not hold it.
+    """The shipped build of `spec` if there is one, else its cached build, building it first
+    when the cache does not hold it.
 
     Concurrent callers wait on a lock file and build once; a build lands in the cache by an
     atomic rename, so an interrupted build never leaves a half-written policy behind.
     """
+    shipped = shipped_policy(spec)
+    if shipped is not None:
+        return shipped
     return cached_build(
         spec.key(), lambda staging: build_policy(spec, staging, progress=progress, threads=threads)
     )
@@ -343,13 +385,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, help="seed instead of the preset's")
     parser.add_argument("--threads", type=int, help="torch threads (default 1)")
     parser.add_argument("--quiet", action="store_true", help="no progress output")
+    parser.add_argument(
+        "--ship",
+        action="store_true",
+        help="build the preset (never taking a shipped build) and ship it with the package",
+    )
     args = parser.parse_args(argv)
     spec = PRESETS[args.task]
     if args.steps is not None:
         spec = spec.with_budget(args.steps)
     if args.seed is not None:
         spec = dataclasses.replace(spec, seed=args.seed)
-    path = ensure_policy(spec, progress=not args.quiet, threads=args.threads)
+    if args.ship:
+        threads = args.threads
+        built = cached_build(spec.key(), lambda staging: build_policy(
+            spec, staging, progress=not args.quiet, threads=threads))  # fmt: skip
+        path = ship_policy(spec, built)
+    else:
+        path = ensure_policy(spec, progress=not args.quiet, threads=args.threads)
     if args.out:
         shutil.copytree(path, args.out, dirs_exist_ok=True)
         path = Path(args.out)
