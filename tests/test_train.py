@@ -6,15 +6,19 @@ accuracy by a margin that a paired test over the held-out prompts justifies (wit
 checks that the system trains; whether CA-GRPO raises held-out accuracy at this scale is the
 evidence study's question, and on the built-in policy at 30 steps it does not), never train a
 sample staler than the bound, train the source's prompts in order (each once, none dropped),
-and leave the policy as a Hugging Face directory that the evaluation CLI loads. A second run
-resumes from one of the reference's checkpoints and has a generator replica killed mid-run:
-the replacement must serve the current policy version at the end; with either bound the
-resumed run must train the reference's groups and prompts, none dropped; with bound 0 it must
-also reproduce the reference's per-step metrics from the checkpoint up to the kill, with
-bound 1 (timing-dependent) the invariants must hold. The four runs share one set of replicas
-(`KeptGenerators`), which each run gives its own weights first. The engines run eager (the
-compiled ones took 13 s less of this module's 300, within the machine's noise); the compiled
-engines of the default run are the golden schedule's and the short run's (tests/short_run.py).
+and leave the policy as a Hugging Face directory that the evaluation CLI loads. With bound 1,
+a second run resumes from one of the reference's checkpoints and has a generator replica
+killed mid-run: the replacement must serve the current policy version at the end, and the
+resumed run must train the reference's groups and prompts, none dropped, none twice, and keep
+the invariants (its metrics depend on timing). With bound 0 the same resume with a killed
+replica is tests/test_chaos.py's, whose run (a generation fault, then a SIGTERM and a resume
+from its checkpoint, among other faults) must train the bound-0 reference's prompts and groups
+in order and reproduce its per-step metrics, step for step (a resumed bound-0 run of this
+module checked the same up to its kill, and cost a run of its own). The three runs share one
+set of replicas (`KeptGenerators`), which each run gives its own weights first. The engines
+run eager (the compiled ones took 13 s less of this module's 300, within the machine's
+noise); the compiled engines of the default run are the golden schedule's and the short
+run's (tests/short_run.py).
 Whether the resumed bound-1 run has a chunk in flight on the replica it kills, or at its
 checkpoint, depends on timing: a requeued chunk given new group ids (tests/defects/09) was
 caught here on fresh replicas and is not on kept ones, eager or compiled; the chaos test,
@@ -272,12 +276,11 @@ def test_the_trained_policy_is_a_hugging_face_directory(reference_run):
 
 @pytest.mark.integration
 @pytest.mark.preset
+@pytest.mark.parametrize("reference_run", [1], ids=["bound1"], indirect=True)  # bound 0: chaos
 def test_resume_with_a_killed_generator(reference_run, kept_generators):
     staleness, tmp_path, _, reference_trainer = reference_run
     start, end = RESUME_AT[staleness], RESUMED_END[staleness]
     resume_from(tmp_path / "reference", tmp_path / "resumed", start)
-    reference_lines = read_metrics(tmp_path / "reference" / "metrics.jsonl")
-
     # Its final evaluation is asserted nowhere: 8 held-out prompts instead of the reference's 200
     config = load_config(CONFIGS[staleness], overrides(tmp_path, "resumed", staleness, end, 8))
     trainer = RecordingTrainer(
@@ -307,26 +310,6 @@ def test_resume_with_a_killed_generator(reference_run, kept_generators):
         == reference_trainer.trained_prompts[start * PROMPTS : end * PROMPTS]
     )
     assert all(r["buffer/dropped_stale_groups"] == 0 for r in resumed.values())
-    if staleness == 0:
-        # Until the kill, the resumed run reproduces the reference step for step. After it, the
-        # killed replica's chunk is generated again on the other replica under its own group
-        # ids, so with its own seeds: every step trains the reference's groups, prompts and
-        # seeds, none lost, none added. (The samples may still differ in their last bits, as
-        # another replica's batch holds them, so the metrics after the kill are not compared;
-        # nor is the cursor logged at a step after the kill: whether the next batch was
-        # already drawn when the step was logged depends on whether a resync of the
-        # replacement replica ran in that step.)
-        reference = {r["step"]: r for r in reference_lines}
-        assert trainer.killed_at >= KILL_AT[staleness]
-        for step in range(start + 1, trainer.killed_at + 1):
-            for key in DETERMINISTIC:
-                assert resumed[step][key] == pytest.approx(
-                    reference[step][key], rel=1e-4, abs=1e-6
-                ), f"step {step} {key}: resumed {resumed[step][key]} vs {reference[step][key]}"
-        second_half = reference_trainer.trained_prompts[start * PROMPTS :]
-        assert trainer.trained_prompts == second_half
-        assert trainer.trained_groups == reference_trainer.trained_groups[start * PROMPTS :]
-        assert resumed[STEPS]["data/cursor"] == reference[STEPS]["data/cursor"]
 
 
 @pytest.mark.unit

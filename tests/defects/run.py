@@ -9,7 +9,7 @@ Each `tests/defects/NN-name.patch` is a small change to the package that breaks 
 in `git diff` form, after a header that `git apply` ignores:
 
     Defect: a resumed run re-reads the data cursor from the wrong step
-    Catch: tests/test_train.py::test_resume_with_a_killed_generator[bound0]
+    Catch: tests/test_train.py::test_resume_with_a_killed_generator[bound1]
     Catch: tests/test_chaos.py
 
 The `Catch:` lines are pytest node ids (a module, a test, a parametrized case). For each
