@@ -13,7 +13,12 @@ and the generators' vLLM engine cores were left running, re-parented to init.
 This process is the subreaper of everything under it (Linux `PR_SET_CHILD_SUBREAPER`): a
 process the run started that outlives its parent is re-parented here, not to init. Once the
 driver has exited, whatever is still under this process gets `settle_s` to end by itself,
-then SIGTERM, then SIGKILL `grace_s` later, and a warning names it. The driver ends with this
+then SIGTERM, then SIGKILL `grace_s` later, and a warning names it. Ray's per-node agents are
+the exception: once the raylet that started them is gone (with a driver that was killed, the
+local cluster's GCS and raylet end within a second), they neither end by themselves nor on
+SIGTERM (measured: both still up 10 s after it, until SIGKILL), and they hold nothing of the
+run, so they are killed as soon as nothing else is left: a killed driver's command exits in
+about a second instead of `settle_s + grace_s`. The driver ends with this
 process too: it gets SIGTERM (`PR_SET_PDEATHSIG`) should this one be killed outright.
 
 Exit status: the driver's; 128 + N when signal N ended the driver itself (137: SIGKILL).
@@ -34,6 +39,7 @@ from cagrpo_ray.processes import terminate_then_kill
 
 DRIVER_ENV = "CAGRPO_RAY_DRIVER"  # set in the driver: it runs the run instead of starting one
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")  # their process titles
 _PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
 
 
@@ -67,11 +73,16 @@ def end_leftovers(settle_s: float, grace_s: float) -> list[str]:
     within `settle_s` get SIGTERM, then SIGKILL after `grace_s`. Returns what had to be
     signalled ("pid name"), also logged to stderr."""
     deadline = time.monotonic() + settle_s
-    while _live_descendants() and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        live = _live_descendants()
+        if not live or all(_is_ray_agent(process) for process in live):
+            break
         time.sleep(0.2)
     left = _live_descendants()
+    agents = [process for process in left if _is_ray_agent(process)]
+    others = [process for process in left if process not in agents]
     named = []
-    for process in left:
+    for process in others:
         try:
             named.append(f"{process.pid} {process.name()}")
         except psutil.NoSuchProcess:
@@ -79,9 +90,23 @@ def end_leftovers(settle_s: float, grace_s: float) -> list[str]:
     if named:
         print(f"cagrpo_ray: ending what the run left running: {', '.join(named)}",
               file=sys.stderr, flush=True)  # fmt: skip
-    terminate_then_kill(left, grace_s)
+    terminate_then_kill(others, grace_s)
+    for agent in agents:  # SIGTERM does not end them (module docstring)
+        try:
+            agent.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs(agents, timeout=grace_s)
     _reap()
     return named
+
+
+def _is_ray_agent(process: psutil.Process) -> bool:
+    try:
+        title = " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+    return title.startswith(RAY_AGENTS)
 
 
 def _live_descendants() -> list[psutil.Process]:

@@ -35,3 +35,34 @@ def test_an_orphan_that_ignores_sigterm_is_reparented_here_and_killed():
     )
     assert done.stdout.split() == ["1", "False", "True"], done.stdout + done.stderr
     assert "ending what the run left running:" in done.stderr
+
+
+AGENT_SCRIPT = """
+import subprocess, sys, time
+import psutil
+from cagrpo_ray.supervisor import _PR_SET_CHILD_SUBREAPER, _prctl, end_leftovers
+_prctl(_PR_SET_CHILD_SUBREAPER, 1)
+# an orphan titled as Ray's dashboard agent (argv[0]), ignoring SIGTERM as the real one does
+# once its raylet is gone
+subprocess.run([sys.executable, "-c",
+    "import subprocess, sys; subprocess.Popen(['ray::DashboardAgent', '-c', "
+    "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'], "
+    "executable=sys.executable)"],
+    check=True)
+[agent] = psutil.Process().children()
+assert agent.cmdline()[0] == "ray::DashboardAgent", agent.cmdline()
+start = time.monotonic()
+named = end_leftovers(settle_s=20.0, grace_s=20.0)
+print(len(named), agent.is_running(), f"{time.monotonic() - start:.1f}")
+"""
+
+
+def test_rays_agents_left_by_a_killed_driver_are_killed_at_once():
+    done = subprocess.run(
+        [sys.executable, "-c", AGENT_SCRIPT], capture_output=True, text=True, timeout=60,
+        check=True,
+    )  # fmt: skip
+    count, running, seconds = done.stdout.split()
+    # not named (nothing of the run is in them), gone, and neither period waited for
+    assert (count, running) == ("0", "False"), done.stdout + done.stderr
+    assert float(seconds) < 10, done.stdout
