@@ -17,9 +17,15 @@ def terminate_then_kill(processes: Sequence[psutil.Process], grace_s: float) -> 
         except psutil.NoSuchProcess:
             continue
     _, alive = psutil.wait_procs(processes, timeout=grace_s)
-    for process in alive:
+    kill(alive, grace_s)
+
+
+def kill(processes: Sequence[psutil.Process], wait_s: float) -> None:
+    """SIGKILL each of `processes` (those already gone are skipped) and wait up to `wait_s`
+    for them to end."""
+    for process in processes:
         try:
             process.kill()
         except psutil.NoSuchProcess:
             continue
-    psutil.wait_procs(alive, timeout=grace_s)
+    psutil.wait_procs(processes, timeout=wait_s)

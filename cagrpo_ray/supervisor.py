@@ -35,7 +35,7 @@ import time
 
 import psutil  # a dependency of Ray and vLLM
 
-from cagrpo_ray.processes import terminate_then_kill
+from cagrpo_ray.processes import kill, terminate_then_kill
 
 DRIVER_ENV = "CAGRPO_RAY_DRIVER"  # set in the driver: it runs the run instead of starting one
 FORWARDED = (signal.SIGTERM, signal.SIGINT)
@@ -91,12 +91,7 @@ def end_leftovers(settle_s: float, grace_s: float) -> list[str]:
         print(f"cagrpo_ray: ending what the run left running: {', '.join(named)}",
               file=sys.stderr, flush=True)  # fmt: skip
     terminate_then_kill(others, grace_s)
-    for agent in agents:  # SIGTERM does not end them (module docstring)
-        try:
-            agent.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs(agents, timeout=grace_s)
+    kill(agents, grace_s)  # SIGTERM does not end them (module docstring)
     _reap()
     return named
 
