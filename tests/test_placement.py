@@ -24,6 +24,7 @@ pytestmark = pytest.mark.clock
 
 RECIPE_7B = "configs/gpu-7b-multinode.yaml"
 RECIPE_15B = "configs/gpu-r1-distill-1.5b.yaml"
+POOL = "cagrpo-test/pool"  # the worker nodes' label (KubeRay's would be ray.io/node-group)
 
 
 @ray.remote
@@ -64,9 +65,12 @@ def assert_exclusive(groups: list[tuple[str, list[str]]]) -> None:
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A head without GPUs (as in k8s/) and two workers of 8 fake GPUs and 48 CPUs each."""
+    """A head without GPUs (as in k8s/) and two workers of 8 fake GPUs and 48 CPUs each,
+    labelled POOL=a and POOL=b."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 4, "num_gpus": 0})
-    workers = [cluster.add_node(num_cpus=48, num_gpus=8) for _ in range(2)]
+    workers = [
+        cluster.add_node(num_cpus=48, num_gpus=8, labels={POOL: name}) for name in ("a", "b")
+    ]
     ray.init(address=cluster.address)
     cluster.wait_for_nodes()
     yield [w.node_id for w in workers]
@@ -109,6 +113,44 @@ def test_layouts_the_cluster_cannot_hold_are_refused_before_anything_starts(two_
     assert ray.util.placement_group_table() == {} or all(
         pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
     )  # nothing was reserved
+
+
+@pytest.mark.integration
+def test_node_labels_put_each_role_on_its_nodes(two_nodes):
+    """The 7B recipe with its generators on the node labelled b and its learners on a: the
+    opposite of where packing the learners first would put them, whichever node that is."""
+    for generators_on, learners_on in (("b", "a"), ("a", "b")):
+        config = load_config(
+            RECIPE_7B,
+            [
+                f'rollout.node_labels={{"{POOL}": "{generators_on}"}}',
+                f'learner.node_labels={{"{POOL}": "{learners_on}"}}',
+            ],
+        )
+        generators, learners = place(config)
+        node = dict(zip("ab", two_nodes, strict=True))
+        assert {n for n, _ in generators} == {node[generators_on]}
+        assert {n for n, _ in learners} == {node[learners_on]}
+    nowhere = load_config(RECIPE_7B, [f'learner.node_labels={{"{POOL}": "c"}}'])
+    with pytest.raises(PlacementError, match=f"learner 0 needs a node labelled {POOL}=c"):
+        Placement(nowhere, timeout_s=10)
+
+
+@pytest.mark.unit
+def test_labels_confine_a_bundle_to_the_nodes_that_carry_them():
+    a = {"CPU": 8, "GPU": 4, "labels": {"pool": "a"}}
+    b = {"CPU": 8, "GPU": 4, "labels": {"pool": "b", "zone": "z"}}
+    on_b = (("pool", "b"),)
+    check_fits([Bundle("generator 0", 1, 4, on_b)], [a, b])
+    # both fit the cluster, not the one node that carries their label
+    with pytest.raises(PlacementError, match="generator 1 .* needs 8 GPUs"):
+        check_fits([Bundle(f"generator {i}", 1, 4, on_b) for i in range(2)], [a, b])
+    with pytest.raises(PlacementError, match="labelled pool=c, but no alive node is .*pool=a"):
+        check_fits([Bundle("learner 0", 1, 1, (("pool", "c"),))], [a, b])
+    # every label must match, not one of them
+    assert not Bundle("x", 1, 0, (("pool", "b"), ("zone", "y"))).admits(b)
+    assert Bundle("x", 1, 0, (("pool", "b"), ("zone", "z"))).admits(b)
+    assert Bundle("x", 1, 0).admits(a)
 
 
 @pytest.mark.unit

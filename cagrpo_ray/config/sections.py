@@ -16,6 +16,13 @@ DEFAULT_LORA_TARGETS = (
 )
 
 
+NODE_LABELS_HELP = (
+    "Ray node labels that the node of {what} must carry, e.g. {{'ray.io/node-group': "
+    "'{group}'}} (Ray sets ray.io/node-group from RAY_NODE_TYPE_NAME, as KubeRay does for each "
+    "worker group; `ray start --labels` sets others). Empty: any node."
+)
+
+
 class RunConfig(Section):
     name: str = Field("cpu-tiny", description="Run name; outputs go to <output_dir>/<name>.")
     output_dir: str = Field("runs", description="Folder for checkpoints, metrics and plots.")
@@ -225,6 +232,10 @@ class RolloutConfig(Section):
     engine: Literal["vllm", "hf"] = Field("vllm", description="Generation engine.")
     num_generators: int = Field(2, ge=1, description="Generator replicas (Ray actors).")
     num_cpus_per_generator: float = Field(0.5, gt=0, description="Ray CPUs per generator.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=NODE_LABELS_HELP.format(what="each generator replica", group="generators"),
+    )
     num_gpus_per_generator: float = Field(
         0.0,
         ge=0,
@@ -311,6 +322,10 @@ class RewardConfig(Section):
     timeout_s: float = Field(5.0, gt=0, description="Per-call verifier timeout (seconds).")
     num_workers: int = Field(1, ge=1, description="Verifier worker processes.")
     num_cpus: float = Field(0.25, gt=0, description="Ray CPUs of the reward pool actor.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=NODE_LABELS_HELP.format(what="the reward pool", group="verifiers"),
+    )
     functions: dict[str, str] = Field(
         default_factory=dict,
         description="Reward functions of one's own, name -> 'path/to/file.py:function' or "
@@ -338,6 +353,10 @@ class RewardConfig(Section):
 class LearnerConfig(Section):
     num_learners: int = Field(2, ge=1, description="Data-parallel learner ranks (Ray actors).")
     num_cpus_per_learner: float = Field(0.5, gt=0, description="Ray CPUs per learner.")
+    node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description=NODE_LABELS_HELP.format(what="each learner rank", group="learners"),
+    )
     num_gpus_per_learner: float = Field(0.0, ge=0, description="Ray GPUs per learner.")
     zero_stage: Literal[0, 1, 2, 3] = Field(2, description="DeepSpeed ZeRO stage.")
     micro_batch_size: int = Field(32, ge=1, description="Responses per forward/backward pass.")

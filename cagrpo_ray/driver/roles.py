@@ -21,7 +21,7 @@ import ray
 from cagrpo_ray.config import Config
 from cagrpo_ray.console import actor_env, redirected
 from cagrpo_ray.env.episode import environment_options
-from cagrpo_ray.placement import Placement
+from cagrpo_ray.placement import Placement, describe_nodes, node_addresses
 from cagrpo_ray.rollout.engines import cpu_engine_env, engine_options
 from cagrpo_ray.rollout.generator import GeneratorActor
 from cagrpo_ray.rollout.kept import KeptGenerators, replica_key
@@ -67,6 +67,7 @@ class Roles:
     placement: Placement | None = None  # every actor's GPUs and CPUs, reserved
     pool: GeneratorPool | None = None  # the generator replicas
     learners: Any = None  # the learner ranks (`learner.group.LearnerGroup`)
+    nodes: dict[str, str] | None = None  # role ("generator 0", ...) -> its node's address
 
     def close(self, keep_generators: bool = False) -> None:
         """End the learner ranks, the verifiers and (unless they are kept for another run)
@@ -101,8 +102,9 @@ def build_roles(
     # imported and signature-checked here, so that a bad one stops the run before it trains
     functions = {n: f.spec for n, f in load_reward_functions(cfg.reward.functions).items()}
     reward_actor = ray.remote(num_cpus=cfg.reward.num_cpus)(redirected(RewardFunction))
+    labels = {"label_selector": dict(cfg.reward.node_labels)} if cfg.reward.node_labels else {}
     roles.reward_pool = reward_actor.options(
-        runtime_env={"env_vars": actor_env(log_dir, "reward")}
+        runtime_env={"env_vars": actor_env(log_dir, "reward")}, **labels
     ).remote(
         weights=cfg.reward.weights,
         timeout_s=cfg.reward.timeout_s,
@@ -155,4 +157,8 @@ def build_roles(
             roles.learners = None if failed else learners.result()
         if failed:
             raise failed
+    actors = {f"generator {i}": g for i, g in enumerate(generators)}
+    actors.update({f"learner {r}": a for r, a in enumerate(roles.learners.actors)})
+    roles.nodes = node_addresses({**actors, "the reward pool": roles.reward_pool})
+    log.info("actors by node: %s", describe_nodes(roles.nodes))
     return roles

@@ -319,6 +319,7 @@ class Trainer:
             records = read_metrics(self.metrics.path)
             plot_run(records, self.run_dir / "plots", summary)
             summary = self.trackers.finish(summarize(records, summary))
+            summary["nodes"] = self.roles.nodes  # where each actor ran (its node's address)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             return summary
         finally:
