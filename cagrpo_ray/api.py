@@ -19,10 +19,36 @@ from pathlib import Path
 import yaml
 
 from cagrpo_ray.config import Config, ConfigError, from_dict, load_config, parse_overrides
+from cagrpo_ray.errors import UserError
 
 PROCESS_GROUP_CLEANUP = "RAY_process_group_cleanup_enabled"
 GCS_RECONNECT_TIMEOUT = "RAY_gcs_rpc_server_reconnect_timeout_s"
 LOCAL_GCS_RECONNECT_TIMEOUT_S = 15
+
+
+class ClusterUnreachable(UserError, ConnectionError):
+    """The cluster of RAY_ADDRESS could not be joined; the message says what to check."""
+
+
+def join_cluster(address: str) -> None:
+    """`ray.init(address=...)`, with one line naming what to check when it fails: a cluster
+    with token authentication (Ray 2.60's default for `ray start --head`) refuses a client
+    without its token, and Ray then only says that it could not connect."""
+    import ray
+
+    try:
+        ray.init(address=address)
+    except ConnectionError as exc:
+        token = os.environ.get("RAY_AUTH_MODE") == "token"
+        hint = (
+            "is the token the cluster's? (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH)"
+            if token
+            else "a cluster with token authentication needs RAY_AUTH_MODE=token and its token "
+            "(RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH) in this environment (docs/deployment.md)"
+        )
+        raise ClusterUnreachable(
+            f"cannot join the Ray cluster at RAY_ADDRESS={address}: {exc}; is it up, and {hint}"
+        ) from exc
 
 
 def run_training(config: Config, resume: bool = False) -> dict:
@@ -39,7 +65,7 @@ def run_training(config: Config, resume: bool = False) -> dict:
     started = not ray.is_initialized()
     address = os.environ.get("RAY_ADDRESS")
     if started and address:
-        ray.init(address=address)
+        join_cluster(address)
     elif started:
         # Each Ray worker in a process group of its own, ended by the raylet when the worker
         # exits: a replica that dies takes its vLLM engine's processes with it

@@ -1,9 +1,13 @@
 """The schedule's per-step numbers stay put unless a change means to move them.
 
 `tests/golden/schedule_metrics.json` (`python tests/golden/record.py`) holds 10 steps of the
-embedded default with staleness bound 0. Rerun here, the same config must give the same
-per-step metrics, bit for bit: reward, accuracy, lengths, entropy, loss, gradient norm,
-covariance and kernel-weight statistics, and the same held-out evaluations.
+embedded default with staleness bound 0, run on one Ray node. Rerun here by the user's command
+on a cluster of two nodes (tests/two_nodes.py: the learners and the reward pool on one, both
+generator replicas on the other, every weight sync across them), the same config must give the
+same per-step metrics, bit for bit: reward, accuracy, lengths, entropy, loss, gradient norm,
+covariance and kernel-weight statistics, and the same held-out evaluations. So the numbers stay
+put, and a run across nodes trains what a run on one node trains. (tests/test_multinode.py
+checks the same run's placement and stores.)
 
 History: the first file was recorded by commit ebb9699's two trainers (sync, and async with
 bound 0); the one scheduler reproduced both bit for bit (commit 7e201f7), and so did the
@@ -34,8 +38,9 @@ import pytest
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "golden"))
-from golden_runner import run_one  # noqa: E402
-from record import RUNS, machine, record  # noqa: E402
+from record import RUNS, machine  # noqa: E402
+
+from cagrpo_ray.metrics.jsonl import read_metrics  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -78,8 +83,13 @@ def golden():
 
 
 @pytest.fixture(scope="module")
-def rerun(golden, shared_ray, tmp_path_factory):
-    return record(tmp_path_factory.mktemp("golden"), run_one)
+def rerun(golden, golden_run_on_two_nodes):
+    run = golden_run_on_two_nodes
+    assert run["status"] == 0, run["console"][-4000:]
+    got = {"steps": read_metrics(run["run_dir"] / "metrics.jsonl")}
+    for phase in ("eval_before", "eval_after"):
+        got[phase] = {k: v for k, v in run["summary"][phase].items() if k != "per_prompt"}
+    return {"runs": {"bound0": got}}
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -31,6 +31,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     # records and utilities that every role shares (SamplingConfig, Completion, logging,
     # ending processes)
     ("foundation", {"types", "console", "progress", "processes", "imports", "errors"}),
+    # a cluster of several Ray nodes on one machine (its own command; ends its processes)
+    ("tools", {"local_cluster"}),
     # parts a role is built from, knowing no role: config, prompts, verifiers, environments,
     # the checkpoint directories
     (

@@ -21,8 +21,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import psutil
 import pytest
+
+from cagrpo_ray.local_cluster import kill_processes
 
 pytestmark = [pytest.mark.integration, pytest.mark.preset]
 
@@ -88,22 +89,7 @@ def stop_cluster(temp_dir: str) -> None:
     """Kill the processes of the cluster started with `temp_dir` (those naming it on their
     command line: GCS, raylet, dashboard, monitors) and every process under them (workers,
     agents, the jobs' drivers and their engines)."""
-    roots = [
-        p for p in psutil.process_iter(["cmdline"])
-        if p.pid != os.getpid() and any(temp_dir in arg for arg in p.info["cmdline"] or [])
-    ]  # fmt: skip
-    tree = {}
-    for root in roots:
-        try:
-            tree.update({p.pid: p for p in [root, *root.children(recursive=True)]})
-        except psutil.NoSuchProcess:
-            continue
-    for process in tree.values():
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(list(tree.values()), timeout=60)
+    kill_processes(Path(temp_dir))
 
 
 @pytest.fixture(scope="module")

@@ -64,6 +64,17 @@ def init_data_parallel(
     if backend == "gloo":  # DeepSpeed builds its CPU comm extension on first use
         use_environment_ninja()
         clear_stale_build_lock(comm_extension_dir())
+    # The group's store listens on MASTER_ADDR only (env://'s would listen on every
+    # interface); DeepSpeed then takes the group as it is.
+    log.info("process group: rank %d of %d, store at %s:%d", rank, world_size, master_addr,
+             master_port)  # fmt: skip
+    dist.init_process_group(
+        backend,
+        store=rendezvous_store(rank, world_size, master_addr, master_port, timeout_s),
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     deepspeed.init_distributed(
         dist_backend=backend,
         auto_mpi_discovery=False,
@@ -71,6 +82,20 @@ def init_data_parallel(
         timeout=datetime.timedelta(seconds=timeout_s),
         rank=rank,
         world_size=world_size,
+    )
+
+
+def rendezvous_store(
+    rank: int, world_size: int, host: str, port: int, timeout_s: float
+) -> dist.TCPStore:
+    """The learner group's `TCPStore`: rank 0's listens on `host:port` only, the others dial
+    it (waiting up to `timeout_s` for it to open)."""
+    from cagrpo_ray.sync.group import listening_store
+
+    if rank == 0:
+        return listening_store(host, port, world_size, timeout_s)
+    return dist.TCPStore(
+        host, port, world_size, is_master=False, timeout=datetime.timedelta(seconds=timeout_s)
     )
 
 

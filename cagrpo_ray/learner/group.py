@@ -63,11 +63,13 @@ class LearnerActor:
         self.learner: Learner | None = None
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """This node's IP and a port that is free on it, for MASTER_ADDR / MASTER_PORT."""
-        with socket.socket() as s:
-            s.bind(("", 0))
+        """The address the group's store will listen on (this node's IP, or loopback when the
+        cluster is this one node, as the weight sync's) and a port free there, for MASTER_ADDR
+        / MASTER_PORT."""
+        host = sync_host(ray.util.get_node_ip_address(), single_node())
+        with socket.create_server((host, 0)) as s:
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return host, port
 
     def setup(self, settings: LearnerSettings, loss: LossSpec, **rank: Any) -> None:
         """Build this rank's Learner; it joins the process group from rank, world_size,
@@ -102,8 +104,7 @@ class LearnerActor:
     def open_weight_sender(
         self, world_size: int, backend: str, timeout_s: float, bucket_mb: float
     ) -> dict | None:
-        single_node = sum(1 for node in ray.nodes() if node["Alive"]) == 1
-        host = sync_host(ray.util.get_node_ip_address(), single_node)
+        host = sync_host(ray.util.get_node_ip_address(), single_node())
         return self.learner.open_weight_sender(host, world_size, backend, timeout_s, bucket_mb)
 
     def send_weights(self, version: int) -> dict:
@@ -112,6 +113,11 @@ class LearnerActor:
     def apply(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run `fn(learner, *args)` in this actor (e.g. the weight-sync sender on rank 0)."""
         return fn(self.learner, *args)
+
+
+def single_node() -> bool:
+    """Whether the Ray cluster is one alive node."""
+    return sum(1 for node in ray.nodes() if node["Alive"]) == 1
 
 
 SHARD_BY = ("tokens", "count")

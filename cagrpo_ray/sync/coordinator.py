@@ -88,6 +88,10 @@ class WeightSyncCoordinator:
             address = self.learners.open_weight_sender(
                 world, self.backend, self.timeout_s, self.bucket_mb
             )
+            log.info(
+                "weight-sync group: %d ranks, the learner's store at %s:%d",
+                world, address["host"], address["port"],
+            )  # fmt: skip
             refs = self.pool.join_weight_sync(address, self.workers_per_replica, replicas)
             problems = []
             for replica, ref in zip(replicas, refs, strict=True):

@@ -128,27 +128,34 @@ def sync_device(backend: str) -> torch.device:
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
     """The learner's `TCPStore` (master, `port=0` picks a free one) or a worker's client of it.
 
-    The master listens on `host` only: torch's own master listens on every interface, so the
-    socket is bound here and handed to it (`master_listen_fd`, which it then owns). It does
-    not wait for workers (`wait_for_workers=False`): it must return so that the learner can go
-    on while the workers join.
+    The master listens on `host` only (`listening_store`) and does not wait for workers: it
+    must return so that the learner can go on while the workers join.
     """
-    timeout = timedelta(seconds=timeout_s)
     if is_master:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.create_server((host, port), family=family)
-        bound_port = listener.getsockname()[1]
-        return dist.TCPStore(
-            host, bound_port, world_size, is_master=True, timeout=timeout,
-            wait_for_workers=False, master_listen_fd=listener.detach(),
-        )  # fmt: skip
+        return listening_store(host, port, world_size, timeout_s)
     try:
-        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+        return dist.TCPStore(
+            host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
     except (RuntimeError, dist.DistError) as exc:
         raise WeightSyncError(
             f"weight sync: the learner's store at {host}:{port} was not reachable within "
             f"{timeout_s:g} s (has learner rank 0 created its WeightSender?): {exc}"
         ) from exc
+
+
+def listening_store(host: str, port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """A master `TCPStore` that listens on `host` only (`port` 0: a free one), and returns
+    without waiting for the other ranks. torch's own master (and `env://`'s) listens on every
+    interface; here the socket is bound first and handed to it (`master_listen_fd`, which it
+    then owns)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family)
+    bound_port = listener.getsockname()[1]
+    return dist.TCPStore(
+        host, bound_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=listener.detach(),
+    )  # fmt: skip
 
 
 def missing_keys(store, keys: list[str], timeout_s: float) -> list[str]:
