@@ -69,7 +69,7 @@ def pytest_collection_modifyitems(session, config, items):
     # beside process and those builds have work for the other core.
     # Within each of those, the modules on the session's shared Ray cluster (`shared_ray`) run
     # one after another, so that it starts once for them, not once a module; those on the
-    # session's two-node cluster (`two_nodes`) run last, so that it is up for them alone.
+    # session's two-node cluster (`two_node_cluster`) run last, so that it is up for them alone.
     two_processes = config.getoption("beside")
     on_shared = {_module_of(item) for item in items if "shared_ray" in item.fixturenames}
     _status["on_shared_ray"] = on_shared
@@ -78,7 +78,7 @@ def pytest_collection_modifyitems(session, config, items):
             item.get_closest_marker("preset") is not None,
             not (two_processes and item.get_closest_marker("early")),
             _module_of(item) not in on_shared,
-            "two_nodes" in item.fixturenames,  # last: the cluster stays up to the end
+            "two_node_cluster" in item.fixturenames,  # last: the cluster is up to the end
         )
     )
     if two_processes:
@@ -452,7 +452,7 @@ def pytest_runtest_teardown(item, nextitem):
 
 
 @pytest.fixture(scope="session")
-def two_nodes():
+def two_node_cluster():
     """A Ray cluster of two nodes on this machine, token authentication on (tests/two_nodes.py),
     once a session; the modules that use it run last (`pytest_collection_modifyitems`)."""
     import tempfile
@@ -464,11 +464,12 @@ def two_nodes():
 
 
 @pytest.fixture(scope="session")
-def golden_run_on_two_nodes(two_nodes, tmp_path_factory):
-    """The golden schedule's run on `two_nodes`, by the user's command (tests/two_nodes.py)."""
+def golden_run_on_two_nodes(two_node_cluster, tmp_path_factory):
+    """The golden schedule's run on `two_node_cluster`, by the user's command
+    (tests/two_nodes.py)."""
     import two_nodes as nodes
 
-    return nodes.run_on(two_nodes, tmp_path_factory.mktemp("two-nodes"))
+    return nodes.run_on(two_node_cluster, tmp_path_factory.mktemp("two-nodes"))
 
 
 @pytest.fixture(scope="session")

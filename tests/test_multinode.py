@@ -46,18 +46,18 @@ def test_the_stores_listen_on_the_learner_node_only(run):
         assert run["heard"][what] == [LEARNERS], (what, run["heard"][what])
 
 
-def test_a_client_without_the_token_is_refused(two_nodes, tmp_path):
+def test_a_client_without_the_token_is_refused(two_node_cluster, tmp_path):
     done = subprocess.run(
         command(tmp_path),
         cwd=REPO,
-        env=two_nodes.client_env(token=False),
+        env=two_node_cluster.client_env(token=False),
         capture_output=True,
         text=True,
         timeout=300,
     )
     output = done.stdout + done.stderr
     assert done.returncode == 2, output[-3000:]  # a user's error: one line, no traceback
-    assert f"cannot join the Ray cluster at RAY_ADDRESS={two_nodes.address}" in output
+    assert f"cannot join the Ray cluster at RAY_ADDRESS={two_node_cluster.address}" in output
     assert "needs RAY_AUTH_MODE=token and its token" in output
     assert "Traceback" not in output
     assert not (tmp_path / NAME / "metrics.jsonl").exists()

@@ -1,6 +1,6 @@
 """The tests' Ray cluster of two nodes on this machine, and the one run on it that
 tests/test_golden_schedule.py and tests/test_multinode.py both check (conftest.py's
-`two_nodes` and `golden_run_on_two_nodes`, once a session).
+`two_node_cluster` and `golden_run_on_two_nodes`, once a session).
 
 The nodes (`cagrpo_ray/local_cluster.py`, token authentication on): 127.0.0.2, the head, in
 group "learners", and 127.0.0.3 in group "generators". The run is the user's command joined

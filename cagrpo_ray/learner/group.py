@@ -67,7 +67,8 @@ class LearnerActor:
         cluster is this one node, as the weight sync's) and a port free there, for MASTER_ADDR
         / MASTER_PORT."""
         host = sync_host(ray.util.get_node_ip_address(), single_node())
-        with socket.create_server((host, 0)) as s:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.create_server((host, 0), family=family) as s:
             port = s.getsockname()[1]
         return host, port
 
